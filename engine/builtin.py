@@ -1,0 +1,97 @@
+"""Embedded models: built deterministically on first use, so a job runs with no download.
+
+`builtin:tiny` is a small Llama-shaped model with random weights and a byte-level tokenizer.
+Its text is noise; it exists so that every part of a job runs on any machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+# Bump the version when the recipe changes, so old caches are not reused.
+BUILTINS = {
+    "tiny": dict(version=1, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=259,
+                 max_position_embeddings=4096, initializer_range=0.2, seed=1234),
+}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def is_builtin(model: str) -> bool:
+    return model.startswith(BUILTIN_PREFIX)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("BATCHINFER_CACHE") or Path.home() / ".cache" / "batchinfer")
+
+
+def builtin_path(model: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory of the builtin model `model` ("builtin:tiny"), building it if absent."""
+    name = model[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        raise ValueError(f"unknown builtin model {model!r}; known: "
+                         + ", ".join(BUILTIN_PREFIX + n for n in BUILTINS))
+    recipe = BUILTINS[name]
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / "builtin" / f"{name}-v{recipe['version']}"
+    if not (target / "config.json").exists():
+        root.joinpath("builtin").mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent workers never see half a model.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root / "builtin"))
+        try:
+            _build(recipe, tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(recipe: dict, out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    tokenizer.save_pretrained(out)
+    config = LlamaConfig(
+        hidden_size=recipe["hidden_size"], intermediate_size=recipe["intermediate_size"],
+        num_hidden_layers=recipe["num_hidden_layers"], num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_key_value_heads"], vocab_size=recipe["vocab_size"],
+        max_position_embeddings=recipe["max_position_embeddings"],
+        initializer_range=recipe["initializer_range"], tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe["seed"])
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "batchinfer_builtin.json").write_text(json.dumps(recipe, indent=1))
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: 3 special tokens, then one token per byte value."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE, model_max_length=BUILTINS["tiny"]["max_position_embeddings"])

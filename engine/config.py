@@ -1,0 +1,84 @@
+"""Engine configuration: the one place where engine defaults live."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+SCHEDULING_MODES = ("static",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine loads its model and forms batches. Validated on construction."""
+
+    model: str = "builtin:tiny"
+    """Hugging Face model directory (local, or s3://, gs://... copied to a local cache), or `builtin:tiny`."""
+    max_batch_tokens: int = 8192
+    """KV-cache tokens one batch may reserve: rows x (longest prompt + largest max_tokens)."""
+    max_num_seqs: int = 64
+    """Most sequences (rows) in one batch."""
+    max_model_len: int | None = None
+    """Longest prompt + max_tokens a request may have; None = the model's max_position_embeddings."""
+    dtype: str = "auto"
+    """Weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    scheduling: str = "static"
+    """Batching mode: static = padded batches run to completion, sized by max_batch_tokens."""
+    seed: int = 0
+    """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
+    allow_pickle: bool = False
+    """Allow .bin/.pt (pickle) weights; off by default because unpickling runs arbitrary code."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory; off by default."""
+    cache_dir: str | None = None
+    """Where builtin models and copies of remote models go; None = $BATCHINFER_CACHE or ~/.cache/batchinfer."""
+    tokenizer: str | None = None
+    """Tokenizer directory if it differs from the model's."""
+    extra: dict = field(default_factory=dict)
+    """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
+
+    def __post_init__(self) -> None:
+        _positive("max_batch_tokens", self.max_batch_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path or 'builtin:<name>'")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")
+                or self.device == "mps"):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """One-line description of every field, for CLIs and docs."""
+        return _field_docs(cls)
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Reads the attribute docstrings that follow each field in the class source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}

@@ -1,0 +1,125 @@
+"""LLMEngine: takes requests, forms batches, runs them, returns completions in input order."""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Sequence as Seq
+
+from engine.batch import Batch
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import BatchStats, Completion
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """A single-process generation engine.
+
+    >>> llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    >>> outs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.config = config if config is not None else EngineConfig(**overrides)
+        if config is not None and overrides:
+            raise TypeError("pass either an EngineConfig or keyword overrides, not both")
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
+        self.max_model_len = self._max_model_len()
+        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len)
+        self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
+        self._seed_rng = random.Random(self.config.seed)
+        self._batch: Batch | None = None
+        self._next_index = 0
+        self.batch_stats: list[BatchStats] = []
+        """Statistics of every batch run so far, in order."""
+
+    def _max_model_len(self) -> int:
+        model_max = self.runner.max_position_embeddings
+        if self.config.max_model_len is None:
+            return model_max or self.config.max_batch_tokens
+        if model_max and self.config.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        return self.config.max_model_len
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Tokenizes and queues one request; a request that can never run is finished with an error."""
+        params = params or SamplingParams()
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(index=self._next_index, prompt_token_ids=[], params=params, seed=seed)
+        self._next_index += 1
+        try:
+            seq.prompt_token_ids = self._tokenize(prompt)
+        except (TypeError, ValueError) as exc:
+            seq.fail(str(exc))
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
+            return list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def has_unfinished(self) -> bool:
+        return self._batch is not None or self.scheduler.has_waiting()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """One forward pass: prefill of a new batch, or one decode step of the running one.
+        Returns the sequences that finished in it."""
+        if self._batch is None:
+            seqs = self.scheduler.next_batch()
+            if not seqs:
+                return []
+            self._batch = Batch(seqs, self.tokenizer, self.runner)
+            inputs = self._batch.prefill_inputs()
+        else:
+            inputs = self._batch.decode_inputs()
+        batch = self._batch
+        logits = self.runner.forward(*inputs, batch.cache)
+        tokens, logprobs = self.sampler(logits, batch.sampling, batch.steps, batch.output_counts, batch.seen,
+                                        batch.banned_now())
+        finished = batch.record(tokens, logprobs)
+        if batch.done:
+            self.batch_stats.append(batch.finish_stats())
+            self._batch = None
+        else:
+            batch.maybe_compact()
+        return finished
+
+    def generate(self, prompts: Seq[Prompt] | Prompt,
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
+        """Runs every prompt to completion; one Completion per prompt, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.has_unfinished():
+            raise RuntimeError("generate() called while requests from add_request() are still running")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return [s.to_completion() for s in seqs]

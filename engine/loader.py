@@ -1,0 +1,100 @@
+"""Finds, checks and loads model directories: local, object storage (copied first) or builtin."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from engine.builtin import builtin_path, default_cache_dir, is_builtin
+from engine.config import EngineConfig
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded; the message says why in one line."""
+
+
+def resolve_model_dir(config: EngineConfig, which: str | None = None) -> Path:
+    """Local directory holding `which` (default: config.model), copying remote models to the cache."""
+    ref = which or config.model
+    if is_builtin(ref):
+        return builtin_path(ref, config.cache_dir)
+    if ref.startswith("file://"):
+        ref = ref[len("file://"):]
+    if "://" in ref:
+        return _copy_remote(ref, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {ref}")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{ref} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def _copy_remote(url: str, cache_dir: Path) -> Path:
+    import fsspec
+
+    target = cache_dir / "models" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise ModelLoadError(f"cannot open {url}: {exc}") from exc
+    root = root.rstrip("/")
+    files = [f for f in fs.find(root) if not f.endswith("/")]
+    if not files:
+        raise ModelLoadError(f"no files under {url}")
+    for remote in files:
+        local = target / os.path.relpath(remote, root)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(local) + ".part")
+        os.replace(str(local) + ".part", local)
+    marker.touch()
+    return target
+
+
+def check_weights(path: Path, allow_pickle: bool) -> None:
+    """Refuses pickle-only weights unless the user opted in."""
+    names = [p.name for p in path.iterdir()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    if not pickles:
+        raise ModelLoadError(f"no weights in {path} (expected *.safetensors)")
+    if not allow_pickle:
+        raise ModelLoadError(
+            f"{path} has only pickle weights ({pickles[0]}); unpickling can run arbitrary code, "
+            "so it needs allow_pickle=True (or convert the weights to safetensors)")
+
+
+def load_tokenizer(config: EngineConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok_dir = resolve_model_dir(config, config.tokenizer) if config.tokenizer else model_dir
+    try:
+        return AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
+    except Exception as exc:  # transformers raises many types here
+        raise ModelLoadError(f"cannot load tokenizer from {tok_dir}: {_one_line(exc)}") from exc
+
+
+def load_model(config: EngineConfig, model_dir: Path, dtype, device):
+    """The causal LM in eval mode on `device`, SDPA attention unless the user chose otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    check_weights(model_dir, config.allow_pickle)
+    kwargs = {"attn_implementation": "sdpa", **config.extra}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
+            use_safetensors=None if config.allow_pickle else True, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {model_dir}: {_one_line(exc)}") from exc
+    return model.to(device).eval()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,74 @@
+"""The only place that runs the model: loads it, and runs one forward pass over a batch."""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import load_model, load_tokenizer, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 halves memory and doubles speed on GPUs; CPUs are exact and fastest in fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    """Holds the model and tokenizer; `forward` returns the logits of each row's last position."""
+
+    def __init__(self, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config)
+        self.hf_tokenizer = load_tokenizer(config, self.model_dir)
+        self.model = load_model(config, self.model_dir, self.dtype, self.device)
+        text_config = self.model.config.get_text_config(decoder=True)
+        self.num_layers: int = text_config.num_hidden_layers
+        self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
+        self.max_position_embeddings: int | None = (
+            getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; accept either.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._takes_position_ids = "position_ids" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
+
+    def eos_token_ids(self) -> set[int]:
+        """EOS ids from the generation config (as transformers' generate uses them)."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, capacity)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids, position_ids (B, S); attention_mask (B, cached + S) -> logits (B, V) float32."""
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = position_ids
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1  # only the last position is sampled: skip the rest of the LM head
+        out = self.model(input_ids=input_ids, **kwargs)
+        return out.logits[:, -1, :].float()

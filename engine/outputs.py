@@ -1,0 +1,63 @@
+"""What the engine hands back: one Completion per request, and per-batch statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Completion:
+    """The result of one request, returned in input order."""
+
+    index: int
+    """Position of the request in the `generate` call."""
+    text: str
+    """Generated text (special tokens skipped; cut before a matched stop string)."""
+    token_ids: list[int]
+    """Generated token ids, including the EOS or stop token that ended the request."""
+    finish_reason: str
+    """"stop" (EOS, stop string or stop token), "length" (max_tokens reached) or "error"."""
+    num_prompt_tokens: int
+    """Tokens in the prompt as the model saw it (0 when the prompt could not be tokenized)."""
+    error: str | None = None
+    """Why the request failed, when finish_reason is "error"; else None."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token: {token_id: logprob} for the chosen token and the top-N, when asked."""
+    stop_reason: str | int | None = None
+    """The stop string or token id that ended the request, if any."""
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class BatchStats:
+    """What one static batch cost, so the token budget can be checked and padding measured."""
+
+    rows: int
+    """Requests in the batch."""
+    max_prompt_len: int
+    """Longest prompt: every row is left-padded to it."""
+    max_new_tokens: int
+    """Largest max_tokens among the rows."""
+    reserved_tokens: int
+    """KV-cache slots reserved: rows x (max_prompt_len + max_new_tokens); <= max_batch_tokens."""
+    prompt_tokens: int
+    """Real (unpadded) prompt tokens."""
+    padded_prompt_tokens: int
+    """Prompt slots including left padding: rows x max_prompt_len."""
+    generated_tokens: int = 0
+    """Tokens kept in the outputs."""
+    decode_steps: int = 0
+    """Forward passes after the prefill."""
+    computed_rows: int = 0
+    """Row-steps computed in decode, including rows kept after they finished until the next compaction."""
+    compactions: int = 0
+    """Times finished rows were dropped from the running batch."""
+    seconds: float = 0.0
+    """Wall time of the batch, prefill to last token."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.prompt_tokens / self.padded_prompt_tokens if self.padded_prompt_tokens else 0.0

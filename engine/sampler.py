@@ -1,0 +1,156 @@
+"""Turns logits into tokens for a whole batch at once: penalties, temperature, top-k/p, min-p.
+
+Seeded sampling draws its randomness from a counter-based hash of (seed, step, token id),
+computed for all rows in one go: a request's noise never depends on its batch neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from engine.sequence import Sequence
+
+M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one batch, aligned with its rows."""
+
+    temperature: torch.Tensor
+    """(B,) float; 0 marks a greedy row."""
+    top_k: torch.Tensor
+    """(B,) int64; 0 = no top-k."""
+    top_p: torch.Tensor
+    """(B,) float."""
+    min_p: torch.Tensor
+    """(B,) float."""
+    seeds: torch.Tensor
+    """(B,) int64 per-request seeds."""
+    repetition_penalty: torch.Tensor
+    """(B,) float; 1 = none."""
+    presence_penalty: torch.Tensor
+    """(B,) float."""
+    frequency_penalty: torch.Tensor
+    """(B,) float."""
+    num_logprobs: torch.Tensor
+    """(B,) int64; -1 = the row wants no logprobs."""
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> "SamplingTensors":
+        def col(get, dtype):
+            return torch.tensor([get(s) for s in seqs], dtype=dtype, device=device)
+
+        return cls(
+            temperature=col(lambda s: s.params.temperature, torch.float32),
+            top_k=col(lambda s: max(s.params.top_k, 0), torch.int64),
+            top_p=col(lambda s: s.params.top_p, torch.float32),
+            min_p=col(lambda s: s.params.min_p, torch.float32),
+            seeds=col(lambda s: s.seed, torch.int64),
+            repetition_penalty=col(lambda s: s.params.repetition_penalty, torch.float32),
+            presence_penalty=col(lambda s: s.params.presence_penalty, torch.float32),
+            frequency_penalty=col(lambda s: s.params.frequency_penalty, torch.float32),
+            num_logprobs=col(lambda s: -1 if s.params.logprobs is None else s.params.logprobs, torch.int64),
+        )
+
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        return SamplingTensors(**{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)})
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool((self.repetition_penalty != 1).any() or (self.presence_penalty != 0).any()
+                    or (self.frequency_penalty != 0).any())
+
+
+class Sampler:
+    """Picks the next token of every row. All work is tensor-wide: no per-row Python."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        # (V,) hashed token ids, reused by every noise draw.
+        self._token_keys = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))
+
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
+                 output_counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+                 banned: torch.Tensor | None = None):
+        """logits (B, V) float32 -> (tokens (B,), logprobs (B, V) or None).
+
+        steps (B,): tokens each row has generated so far (the noise counter).
+        output_counts (B, V): occurrences of each token in each row's output (for penalties).
+        seen (B, V) bool: tokens in each row's prompt or output (for repetition_penalty).
+        banned (B, V) bool: tokens a row may not pick now (stop tokens before min_tokens).
+        """
+        logprobs = torch.log_softmax(logits, dim=-1) if bool((st.num_logprobs >= 0).any()) else None
+        if banned is not None:
+            logits = logits.masked_fill(banned, float("-inf"))
+        if output_counts is not None:
+            logits = apply_penalties(logits, st, output_counts, seen)
+        greedy = logits.argmax(dim=-1)
+        if st.all_greedy:
+            return greedy, logprobs
+        sampled = self._sample(logits, st, steps)
+        return torch.where(st.temperature == 0, greedy, sampled), logprobs
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor) -> torch.Tensor:
+        temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+        logits = logits / temp[:, None]
+        logits = _filter(logits, st)
+        # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits).
+        return (logits + self._gumbel(st.seeds, steps)).argmax(dim=-1)
+
+    def _gumbel(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        key = _mix32((seeds & M32) ^ _mix32(((seeds >> 32) & M32) ^ _mix32(steps & M32)))  # (B,)
+        bits = _mix32(key[:, None] ^ self._token_keys[None, :]) >> 8  # (B, V), 24 random bits
+        u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
+        return -torch.log(-torch.log(u))
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors, output_counts: torch.Tensor,
+                    seen: torch.Tensor | None) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt+output tokens; presence/frequency over output only."""
+    logits = logits.clone()
+    if seen is not None:
+        rep = st.repetition_penalty[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    logits -= st.frequency_penalty[:, None] * output_counts
+    logits -= st.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's min-p, top-k and top-p sets."""
+    neg_inf = torch.finfo(logits.dtype).min
+    if bool((st.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, neg_inf)
+    use_k = bool((st.top_k > 0).any())
+    use_p = bool((st.top_p < 1).any())
+    if not (use_k or use_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, logits.shape[-1]))
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        drop |= ranks >= k[:, None]
+    if use_p:
+        probs = sorted_logits.masked_fill(drop, neg_inf).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop |= before >= st.top_p[:, None]  # the first token always stays (before == 0)
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, neg_inf))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) over int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)

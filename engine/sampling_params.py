@@ -1,0 +1,94 @@
+"""Per-request sampling settings, with vLLM's field names."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from engine.config import _field_docs
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. Invalid values raise ValueError naming the field."""
+
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """Tokens to generate before EOS or stop_token_ids may end the request."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or -1 = all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p x the most likely one; in [0, 1]."""
+    seed: int | None = None
+    """Seed of this request's sampling; the same seed gives the same tokens in any batch."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the request; the output text stops before the first one."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request (besides EOS)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS, up to max_tokens."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens seen in the prompt or output (CTRL-style: divides positive logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated; in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of tokens already generated; in [-2, 2]."""
+    logprobs: int | None = None
+    """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        return _field_docs(cls)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float | None = None, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < low or (low_open and value == low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")

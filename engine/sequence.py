@@ -1,0 +1,80 @@
+"""Request state: one mutable Sequence flows add -> schedule -> run -> finish."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.outputs import Completion
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request as the engine tracks it."""
+
+    index: int
+    """Position in the caller's request list; results come back in this order."""
+    prompt_token_ids: list[int]
+    """Tokenized prompt (empty if the prompt was rejected before tokenizing)."""
+    params: SamplingParams
+    """How to decode this request."""
+    seed: int
+    """Sampling seed: params.seed, or one the engine drew for it."""
+    status: Status = Status.WAITING
+    """Where the request is in its life."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Generated tokens so far."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token {id: logprob}, when params.logprobs is set."""
+    finish_reason: str | None = None
+    """stop | length | error, once finished."""
+    stop_reason: str | int | None = None
+    """The stop string or token that ended it."""
+    error: str | None = None
+    """Why it failed, for finish_reason == "error"."""
+    text: str | None = None
+    """Output text, set once finished (cut at a stop string when one matched)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_len(self) -> int:
+        """KV slots this request may need: prompt + max_tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.finish("error")
+
+    def to_completion(self) -> Completion:
+        return Completion(
+            index=self.index,
+            text=self.text or "",
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason or "error",
+            num_prompt_tokens=self.num_prompt_tokens,
+            error=self.error,
+            logprobs=self.logprobs,
+            stop_reason=self.stop_reason,
+        )

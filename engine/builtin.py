@@ -2,6 +2,8 @@
 
 `builtin:tiny` is a small Llama-shaped model with random weights and a byte-level tokenizer.
 Its text is noise; it exists so that every part of a job runs on any machine.
+`builtin:llama-42m` is the benchmark model: Llama-shaped, hidden 512, 8 layers, 32k vocabulary
+(ids past the 259 byte tokens decode to nothing), sized so CPU benchmarks finish in minutes.
 """
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ BUILTIN_PREFIX = "builtin:"
 BUILTINS = {
     "tiny": dict(version=1, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=259,
-                 max_position_embeddings=4096, initializer_range=0.2, seed=1234),
+                 max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False, seed=1234),
+    "llama-42m": dict(version=1, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=True,
+                      seed=42),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -60,7 +66,9 @@ def builtin_path(model: str, cache_dir: str | os.PathLike | None = None) -> Path
 def _build(recipe: dict, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.loader import quiet_transformers
 
+    quiet_transformers()
     tokenizer = byte_tokenizer()
     tokenizer.save_pretrained(out)
     config = LlamaConfig(
@@ -68,7 +76,7 @@ def _build(recipe: dict, out: Path) -> None:
         num_hidden_layers=recipe["num_hidden_layers"], num_attention_heads=recipe["num_attention_heads"],
         num_key_value_heads=recipe["num_key_value_heads"], vocab_size=recipe["vocab_size"],
         max_position_embeddings=recipe["max_position_embeddings"],
-        initializer_range=recipe["initializer_range"], tie_word_embeddings=False,
+        initializer_range=recipe["initializer_range"], tie_word_embeddings=recipe["tie_word_embeddings"],
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="float32",
     )

@@ -69,6 +69,8 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one prompt token")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):

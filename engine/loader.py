@@ -70,6 +70,13 @@ def check_weights(path: Path, allow_pickle: bool) -> None:
             "so it needs allow_pickle=True (or convert the weights to safetensors)")
 
 
+def quiet_transformers() -> None:
+    """Per-file progress bars from transformers drown a job's own progress output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(config: EngineConfig, model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -85,6 +92,7 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device):
     from transformers import AutoModelForCausalLM
 
     check_weights(model_dir, config.allow_pickle)
+    quiet_transformers()
     kwargs = {"attn_implementation": "sdpa", **config.extra}
     try:
         model = AutoModelForCausalLM.from_pretrained(

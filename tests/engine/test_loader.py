@@ -1,0 +1,67 @@
+"""Model loading: builtin models, safetensors-only by default, clear one-line errors."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.builtin import builtin_path
+from engine.loader import ModelLoadError
+
+
+def digest(path):
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_builtin_tiny_is_deterministic_and_built_once(tmp_path):
+    a = builtin_path("builtin:tiny", tmp_path / "a")
+    b = builtin_path("builtin:tiny", tmp_path / "b")
+    assert digest(a) == digest(b)
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert builtin_path("builtin:tiny", tmp_path / "a") == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_unknown_builtin_is_named():
+    with pytest.raises(ValueError, match="unknown builtin model 'builtin:huge'.*builtin:tiny"):
+        builtin_path("builtin:huge")
+
+
+def test_missing_model_dir_fails_with_one_line(tmp_path):
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "empty")))
+
+
+def test_pickle_weights_need_explicit_opt_in(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = tiny_model_dir("llama")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(src, pickled)
+    state = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="allow_pickle"):
+        LLMEngine(EngineConfig(model=str(pickled)))
+    llm = LLMEngine(EngineConfig(model=str(pickled), allow_pickle=True))
+    safe = LLMEngine(EngineConfig(model=str(src)))
+    assert llm.generate(["same"], None)[0].token_ids == safe.generate(["same"], None)[0].token_ids
+
+
+def test_max_model_len_defaults_to_the_model_and_cannot_exceed_it():
+    assert LLMEngine(EngineConfig(model="builtin:tiny")).max_model_len == 4096
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(EngineConfig(model="builtin:tiny", max_model_len=10_000))
+
+
+def test_auto_dtype_and_device_on_cpu():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    if not torch.cuda.is_available():
+        assert llm.runner.device.type == "cpu" and llm.runner.dtype == torch.float32

@@ -1,0 +1,149 @@
+"""Per-request behaviour: errors, stop conditions, sampling controls, logprobs, seeds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=2048, max_num_seqs=16,
+                                  max_model_len=256))
+
+
+def script(llm, text: str, monkeypatch):
+    """Replaces the model with one that always continues `text` (then emits EOS): each token's
+    successor is fixed, so every row of a batch follows the script from its last prompt token."""
+    ids = llm.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+    eos = next(iter(llm.tokenizer.eos_token_ids))
+    successor = {1: ids[0]}  # BOS -> first token
+    for a, b in zip(ids, ids[1:] + [eos]):
+        assert successor.setdefault(a, b) == b, "script tokens must be distinct"
+    table = torch.full((llm.runner.vocab_size,), eos, dtype=torch.long)
+    for a, b in successor.items():
+        table[a] = b
+
+    def forward(input_ids, attention_mask, position_ids, cache):
+        cache.layers[0].length += input_ids.shape[1]  # keep the cache bookkeeping honest
+        return torch.nn.functional.one_hot(table[input_ids[:, -1]], llm.runner.vocab_size).float() * 50
+
+    monkeypatch.setattr(llm.runner, "forward", forward)
+    return ids
+
+
+def test_bad_requests_fail_alone_and_the_rest_run(llm):
+    prompts = ["fine", "", "x" * 300, [1, 2, 99999], 42, "also fine"]
+    params = [SamplingParams(max_tokens=5, temperature=0)] * 5 + [SamplingParams(max_tokens=5000)]
+    outs = llm.generate(prompts, params)
+    assert outs[0].finish_reason in ("stop", "length")
+    assert [o.finish_reason for o in outs[1:]] == ["error"] * 5
+    assert outs[0].error is None and outs[0].num_generated_tokens >= 1
+    assert "empty prompt" in outs[1].error
+    assert "max_model_len (256)" in outs[2].error and "301" in outs[2].error
+    assert "outside the vocabulary" in outs[3].error
+    assert "string or a list of token ids" in outs[4].error
+    assert "max_model_len" in outs[5].error
+    assert [o.index for o in outs] == list(range(6))
+
+
+def test_empty_prompt_is_an_error(llm):
+    out = llm.generate([[]], SamplingParams(max_tokens=4))[0]
+    assert out.finish_reason == "error" and "empty prompt" in out.error
+
+
+def test_request_larger_than_the_batch_budget_is_an_error():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=64))
+    small, big = llm.generate(["hi", "y" * 60], SamplingParams(max_tokens=8, temperature=0))
+    assert small.finish_reason in ("stop", "length")
+    assert big.finish_reason == "error" and "max_batch_tokens (64)" in big.error
+
+
+def test_stop_string_cuts_text_at_a_character_boundary(llm, monkeypatch):
+    script(llm, "Hé€x!yz", monkeypatch)
+    out = llm.generate([[1]], SamplingParams(max_tokens=20, temperature=0, stop=["€x"]))[0]
+    assert out.text == "Hé" and out.finish_reason == "stop" and out.stop_reason == "€x"
+    out = llm.generate([[1]], SamplingParams(max_tokens=20, stop=["x!"], include_stop_str_in_output=True,
+                                             temperature=0))[0]
+    assert out.text == "Hé€x!"
+
+
+def test_eos_stop_token_and_length(llm, monkeypatch):
+    ids = script(llm, "abcdef", monkeypatch)
+    eos = next(iter(llm.tokenizer.eos_token_ids))
+    outs = llm.generate([[1]] * 4, [
+        SamplingParams(max_tokens=20, temperature=0),
+        SamplingParams(max_tokens=3, temperature=0),
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[ids[2]]),
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+    ])
+    assert (outs[0].text, outs[0].finish_reason, outs[0].token_ids[-1]) == ("abcdef", "stop", eos)
+    assert (outs[1].text, outs[1].finish_reason, len(outs[1].token_ids)) == ("abc", "length", 3)
+    assert (outs[2].text, outs[2].finish_reason, outs[2].stop_reason) == ("ab", "stop", ids[2])
+    assert outs[3].finish_reason == "length" and len(outs[3].token_ids) == 9
+
+
+def test_min_tokens_holds_back_eos(llm, monkeypatch):
+    script(llm, "ab", monkeypatch)
+    out = llm.generate([[1]], SamplingParams(max_tokens=10, min_tokens=5, temperature=0))[0]
+    assert len(out.token_ids) >= 5 and out.text.startswith("ab")
+    assert out.token_ids[2] not in llm.tokenizer.eos_token_ids
+
+
+def test_logprobs_of_chosen_and_top_tokens(llm):
+    out = llm.generate(["logprobs please"], SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and 3 <= len(entry) <= 4
+        assert all(v <= 0 for v in entry.values())
+        assert entry[tok] == pytest.approx(max(entry.values()))  # greedy picks the most likely
+
+
+def test_seeded_sampling_ignores_batch_composition_and_budget():
+    prompts = [f"sample {i} " + "z" * (i * 7) for i in range(10)]
+    target = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    others = [SamplingParams(max_tokens=4 + i, temperature=0.7, seed=i) for i in range(9)]
+    runs = []
+    for budget, rows in [(4096, 64), (300, 2), (4096, 1)]:
+        llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=budget, max_num_seqs=rows))
+        runs.append(llm.generate(prompts[3:4], target)[0].token_ids)
+        mixed = llm.generate(prompts, others[:3] + [target] + others[3:])
+        runs.append(mixed[3].token_ids)
+    assert all(r == runs[0] for r in runs), runs
+    assert len(set(map(tuple, runs))) == 1
+
+
+def test_unseeded_requests_are_reproducible_per_engine_seed():
+    a = LLMEngine(EngineConfig(model="builtin:tiny", seed=7))
+    b = LLMEngine(EngineConfig(model="builtin:tiny", seed=7))
+    p = SamplingParams(max_tokens=12, temperature=1.0)
+    assert [o.token_ids for o in a.generate(["x", "y"], p)] == [o.token_ids for o in b.generate(["x", "y"], p)]
+
+
+def test_sampling_follows_the_distribution(llm):
+    """Seeded samples over many seeds hit tokens roughly in proportion to their probability."""
+    prompt = "distribution"
+    counts = torch.zeros(llm.runner.vocab_size)
+    params = [SamplingParams(max_tokens=1, temperature=1.0, seed=s, logprobs=0) for s in range(400)]
+    outs = llm.generate([prompt] * 400, params)
+    for o in outs:
+        counts[o.token_ids[0]] += 1
+    ref = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+    top_tok, top_lp = max(ref.logprobs[0].items(), key=lambda kv: kv[1])
+    expected = float(torch.tensor(top_lp).exp())
+    assert abs(counts[top_tok] / 400 - expected) < 0.1, (counts[top_tok] / 400, expected)
+
+
+def test_top_k_one_equals_greedy(llm):
+    prompts = ["top k one", "another prompt"]
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    topk1 = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
+
+
+def test_presence_penalty_changes_repetition(llm):
+    base = llm.generate(["penalty"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    pen = llm.generate(["penalty"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                   presence_penalty=2.0, frequency_penalty=2.0))[0]
+    assert len(set(pen.token_ids)) >= len(set(base.token_ids))

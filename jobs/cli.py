@@ -1,15 +1,133 @@
-"""The `batchinfer` command line."""
+"""The `batchinfer` command line. Exit codes: 0 done (or nothing to do), 1 failed,
+2 bad spec or usage, 3 error rate above max_error_rate."""
 from __future__ import annotations
+
+import json
+import sys
 
 import click
 
 from engine import __version__
+from jobs.spec import JobSpec, SpecError, field_reference, load_spec
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR_RATE = 0, 1, 2, 3
+
+
+def _spec_options(fn):
+    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override any spec field, e.g. --set engine.max_batch_tokens=4096 (repeatable).")(fn)
+    fn = click.option("--output", help="Output directory (sets output.path).")(fn)
+    fn = click.option("--input", "input_", help="Input file, directory or glob (sets input.path).")(fn)
+    fn = click.option("--model", help="Model directory or builtin:NAME (sets model).")(fn)
+    fn = click.argument("config", required=False, type=click.Path(dir_okay=False))(fn)
+    return fn
+
+
+def _load(config, model, input_, output, overrides) -> JobSpec:
+    try:
+        return load_spec(config, list(overrides), model=model, input=input_, output=output)
+    except SpecError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="batchinfer")
 def main() -> None:
-    """Offline batch inference for large language models."""
+    """Offline batch inference for large language models.
+
+    Every spec field is listed by `batchinfer spec`."""
+
+
+@main.command()
+@_spec_options
+@click.option("--overwrite", is_flag=True, help="Delete what the output path holds and start afresh.")
+@click.option("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: start a local Ray.")
+def run(config, model, input_, output, overrides, overwrite, address):
+    """Run (or resume) the job in CONFIG, or over --input with the defaults.
+
+    A rerun of the same spec on the same output resumes: committed shards are skipped."""
+    spec = _load(config, model, input_, output, overrides)
+    sys.exit(execute(spec, overwrite=overwrite, address=address))
+
+
+def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) -> int:
+    """Runs a validated spec; prints the summary; returns the exit code."""
+    from pipeline.runner import JobError, run_job
+
+    data = spec.model_dump(mode="json")
+    data["fingerprint"] = spec.fingerprint()
+    try:
+        result = run_job(data, overwrite=overwrite, address=address)
+    except JobError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_FAILED
+    if result.status == "nothing_to_do":
+        click.echo(f"nothing to do: {result.output} is already complete ({result.rows} rows); "
+                   "use --overwrite to run again")
+        return EXIT_OK
+    click.echo(summary_table(result))
+    if result.status == "error_rate_exceeded":
+        rate = result.errors / result.rows
+        click.echo(f"error: {result.errors} of {result.rows} rows failed ({rate:.2%} > max_error_rate "
+                   f"{spec.max_error_rate}); first causes:", err=True)
+        for cause in result.error_samples[:5]:
+            click.echo(f"  - {cause}", err=True)
+        return EXIT_ERROR_RATE
+    return EXIT_OK
+
+
+def summary_table(result) -> str:
+    run = result.manifest.get("this_run", {})
+    rows = [("output", result.output), ("rows", f"{result.rows} ({result.rows_this_run} this run)"),
+            ("errors", str(result.errors)), ("prompt tokens", str(result.prompt_tokens)),
+            ("generated tokens", str(result.generated_tokens)),
+            ("wall time", f"{result.seconds:.1f}s ({result.generate_seconds:.1f}s generating)"),
+            ("tokens/s", f"{run.get('generated_tokens_per_second', 0.0):.1f} (this run)")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+@main.command()
+@_spec_options
+def validate(config, model, input_, output, overrides):
+    """Check a spec, list its inputs, count rows and load the tokenizer; no generation."""
+    from pipeline.runner import JobError, check_model
+    from pipeline.source import InputError, list_inputs, plan_shards
+    from pipeline.storage import Storage
+    from pipeline.worker import engine_config
+
+    spec = _load(config, model, input_, output, overrides)
+    data = spec.model_dump(mode="json")
+    try:
+        storage = Storage(spec.input.path, spec.input.storage_options)
+        files = list_inputs(storage, spec.input.format)
+        rows = shards = 0
+        for shard in plan_shards(storage, files, spec.workers.rows_per_batch):
+            rows += shard.stop - shard.start
+            shards += 1
+        check_model(engine_config(data))
+    except (JobError, InputError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    for path, name, fmt in files[:20]:
+        click.echo(f"  {fmt:8} {storage.uri(path)}")
+    if len(files) > 20:
+        click.echo(f"  ... and {len(files) - 20} more")
+    click.echo(f"ok: {len(files)} files, {rows} rows (JSONL: lines), {shards} shards; model {spec.model}")
+
+
+@main.command(name="spec")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def spec_cmd(as_json):
+    """List every job spec field with its type, default and description."""
+    rows = field_reference()
+    if as_json:
+        click.echo(json.dumps([dict(zip(("key", "type", "default", "description"), r)) for r in rows], indent=1))
+        return
+    width = max(len(r[0]) for r in rows)
+    for key, typ, default, desc in rows:
+        click.echo(f"{key.ljust(width)}  {desc} [{typ}; default {default}]")
 
 
 if __name__ == "__main__":

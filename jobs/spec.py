@@ -1,0 +1,188 @@
+"""The job spec: YAML validated once, unknown keys rejected, every field documented once.
+
+The engine and sampling sections are derived from `EngineConfig` and `SamplingParams`, so
+their defaults and descriptions live in exactly one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+from engine import EngineConfig, SamplingParams
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the bad key(s)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _DataclassSection(_Section):
+    """A section mirroring an engine dataclass, whose own checks run after pydantic's."""
+
+    @model_validator(mode="after")
+    def _dataclass_checks(self):
+        self.dataclass_type(**self.model_dump())
+        return self
+
+
+def _from_dataclass(name: str, cls, skip: tuple[str, ...]) -> type[BaseModel]:
+    """A strict pydantic section mirroring a dataclass: same fields, defaults and docs."""
+    docs = cls.field_docs()
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    defs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        annotation = eval(hints[f.name], {"dict": dict, "list": list, "str": str, "int": int,  # noqa: S307
+                                          "float": float, "bool": bool, "None": None})
+        defs[f.name] = (annotation, Field(default=default, description=docs[f.name]))
+    model = create_model(name, __base__=_DataclassSection, **defs)
+    model.dataclass_type = cls
+    return model
+
+
+EngineSpec = _from_dataclass("EngineSpec", EngineConfig, skip=("model", "seed", "extra"))
+SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=())
+
+
+class InputSpec(_Section):
+    path: str = Field(description="File, directory or glob; local, file://, s3://, gs:// (any fsspec filesystem).")
+    format: Literal["auto", "jsonl", "parquet"] = Field(
+        "auto", description="auto = from the file extension (.jsonl/.json or .parquet).")
+    prompt_column: str | None = Field("prompt", description="Column holding the prompt text.")
+    template: str | None = Field(
+        None, description="Prompt built from columns, e.g. 'Q: {question}\\nA:' (sandboxed; overrides prompt_column).")
+    id_column: str | None = Field(
+        None, description="Column with unique row ids; else an id is derived from file + row position.")
+    columns: list[str] | None = Field(
+        None, description="Input columns copied to the output; None = all of them.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for the input filesystem (e.g. endpoint_url).")
+
+
+class OutputSpec(_Section):
+    path: str = Field(description="Output directory; local, file://, s3://, gs://.")
+    format: Literal["parquet", "jsonl"] = Field("parquet", description="Format of the output parts.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for the output filesystem.")
+
+
+class WorkersSpec(_Section):
+    num: int = Field(1, ge=1, description="Engine actors (one model copy each).")
+    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU).")
+    cpus: float = Field(0.5, gt=0, description="CPUs per actor; fractional on CPU so reads can still be scheduled.")
+    rows_per_batch: int = Field(
+        256, ge=1, description="Rows handed to an actor at once: the unit of work, commit and resume.")
+
+
+class JobSpec(_Section):
+    model: str = Field("builtin:tiny", description="HF model directory (local or s3://...) or builtin:tiny.")
+    task: Literal["generate"] = Field("generate", description="What to do with each row.")
+    input: InputSpec = Field(description="Where the prompts come from.")
+    output: OutputSpec = Field(description="Where the results go.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Generation engine settings.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Decoding settings for every row.")
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
+    max_error_rate: float = Field(
+        0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
+    seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the output rows (not of where they are written)."""
+        data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options"},
+                                                     "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"}})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None,
+              **shortcuts: str | None) -> JobSpec:
+    """Reads a YAML spec (or none), applies `a.b=value` overrides and shortcut flags, validates once."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise SpecError(f"cannot read spec {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise SpecError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: a job spec is a YAML mapping, got {type(data).__name__}")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SpecError(f"--set expects key=value, got {item!r}")
+        set_path(data, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    for key, value in shortcuts.items():
+        if value is not None:
+            set_path(data, {"input": "input.path", "output": "output.path"}.get(key, key), value)
+    return validate(data)
+
+
+def set_path(data: dict, dotted: str, value) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(f"--set {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def validate(data: dict) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError("invalid job spec: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _describe(err: dict) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    if err["type"] == "missing":
+        return f"{where}: required"
+    msg = err["msg"].removeprefix("Value error, ")
+    field, _, rest = msg.partition(" ")
+    if err["type"] == "value_error" and field.isidentifier() and rest:
+        return f"{where}.{field}: {msg}"  # an engine dataclass check names its field first
+    return f"{where}: {msg}"
+
+
+def field_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) for every field, for `batchinfer spec` and docs."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            key = prefix + name
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, key + ".")
+                continue
+            default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+            rows.append((key, _type_name(ann), default, info.description or ""))
+
+    walk(JobSpec, "")
+    return rows
+
+
+def _type_name(ann) -> str:
+    text = getattr(ann, "__name__", None) if not getattr(ann, "__args__", None) else None
+    return text or str(ann).replace("typing.", "")

@@ -1,0 +1,119 @@
+"""Output side: parts committed atomically per shard, progress records, manifest, _SUCCESS.
+
+Layout of an output directory:
+    _job.json             the spec fingerprint: a rerun with another spec is refused
+    data/part-<key>.*     one part per input shard, written whole or not at all
+    _progress/<key>.json  the shard's counts, written after its part
+    manifest.json         counts, timings, versions, list of parts (written when complete)
+    _SUCCESS              written last
+"""
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+
+import pyarrow as pa
+import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
+import pyarrow.parquet as pq
+
+from pipeline.storage import Storage
+
+SUMMARY_FIELDS = ("rows", "errors", "prompt_tokens", "generated_tokens")
+
+
+class OutputDir:
+    """One job's output directory."""
+
+    def __init__(self, storage: Storage, fmt: str):
+        self.storage = storage
+        self.format = fmt
+        self.ext = "parquet" if fmt == "parquet" else "jsonl"
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    def part_path(self, key: str) -> str:
+        return self.storage.path("data", f"part-{key}.{self.ext}")
+
+    def progress_path(self, key: str) -> str:
+        return self.storage.path("_progress", f"{key}.json")
+
+    # -- job record -----------------------------------------------------------------------------
+
+    def read_json(self, name: str) -> dict | None:
+        path = self.storage.path(name)
+        return json.loads(self.storage.read_text(path)) if self.storage.exists(path) else None
+
+    def write_json(self, name: str, data: dict) -> None:
+        self.storage.write_atomic(self.storage.path(name), json.dumps(data, indent=1, default=str).encode())
+
+    def is_complete(self) -> bool:
+        return self.storage.exists(self.storage.path("_SUCCESS"))
+
+    def mark_success(self) -> None:
+        self.storage.write_atomic(self.storage.path("_SUCCESS"), b"")
+
+    def clear(self) -> None:
+        for name in ("_SUCCESS", "manifest.json", "_job.json"):
+            path = self.storage.path(name)
+            if self.storage.exists(path):
+                self.storage.fs.rm(path)
+        for sub in ("data", "_progress"):
+            self.storage.remove_tree(self.storage.path(sub))
+
+    # -- parts ----------------------------------------------------------------------------------
+
+    def done_keys(self) -> set[str]:
+        """Keys of the shards whose part is committed (one entry per shard, not per row)."""
+        keys = set()
+        for path in self.storage.list(self.storage.path("data")):
+            name = posixpath.basename(path)
+            if name.startswith("part-") and name.endswith("." + self.ext):
+                keys.add(name[len("part-"): -len(self.ext) - 1])
+        return keys
+
+    def commit(self, key: str, table: pa.Table, summary: dict) -> str:
+        """Writes the shard's part (atomically), then its progress record. Returns the part path."""
+        path = self.part_path(key)
+        self.storage.write_atomic(path, encode(table, self.format))
+        self.storage.write_atomic(self.progress_path(key), json.dumps(summary).encode())
+        return path
+
+    def summary(self, key: str) -> dict:
+        """A committed shard's counts: its progress record, or recounted from the part if the
+        job died between the two writes."""
+        path = self.progress_path(key)
+        if self.storage.exists(path):
+            return json.loads(self.storage.read_text(path))
+        table = self.read_part(key)
+        summary = summarize(table)
+        self.storage.write_atomic(path, json.dumps(summary).encode())
+        return summary
+
+    def read_part(self, key: str) -> pa.Table:
+        data = self.storage.read_bytes(self.part_path(key))
+        if self.format == "parquet":
+            return pq.read_table(io.BytesIO(data))
+        return pa.Table.from_pylist([json.loads(line) for line in data.splitlines() if line.strip()])
+
+
+def encode(table: pa.Table, fmt: str) -> bytes:
+    if fmt == "parquet":
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        return buf.getvalue()
+    return "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n"
+                   for row in table.to_pylist()).encode("utf-8")
+
+
+def summarize(table: pa.Table) -> dict:
+    """Counts over an output table: rows, errors, prompt and generated tokens, first causes."""
+    d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
+    errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
+    return {
+        "rows": table.num_rows,
+        "errors": len(errors),
+        "prompt_tokens": int(sum(d["num_prompt_tokens"])),
+        "generated_tokens": int(sum(d["num_generated_tokens"])),
+        "error_samples": errors[:3],
+    }

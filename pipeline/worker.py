@@ -1,0 +1,137 @@
+"""Generate stage: an actor holding one engine, turning whole shards into committed parts."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+
+import pyarrow as pa
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pipeline.prompts import PromptBuilder
+from pipeline.sink import OutputDir, summarize
+from pipeline.source import Shard, read_shard
+from pipeline.storage import Storage
+
+OUTPUT_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
+
+
+class FatalShardError(RuntimeError):
+    """A shard that can never succeed (e.g. duplicate ids): the job must stop."""
+
+
+def row_seed(base: int, row_id: str) -> int:
+    """Each row's sampling seed: the same on any worker, in any batch, on every rerun."""
+    return int.from_bytes(hashlib.sha256(f"{base}\0{row_id}".encode()).digest()[:8], "big") >> 1
+
+
+def engine_config(spec: dict) -> EngineConfig:
+    return EngineConfig(model=spec["model"], seed=spec["seed"], **spec["engine"])
+
+
+class ShardWorker:
+    """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
+    engine on its rows, and commits one output part per shard. Returns one summary per shard."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
+        self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
+                                spec["output"]["format"])
+        self.prompts = PromptBuilder(spec["input"]["prompt_column"], spec["input"]["template"])
+        self.engine = LLMEngine(engine_config(spec))
+        sampling = dict(spec["sampling"])
+        self.base_seed = sampling.pop("seed")
+        self.base_seed = spec["seed"] if self.base_seed is None else self.base_seed
+        self.sampling = sampling
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __call__(self, batch: dict) -> dict:
+        keys = list(batch)
+        shards = [Shard(**{k: _plain(batch[k][i]) for k in keys}) for i in range(len(batch[keys[0]]))]
+        results = [self.process(shard) for shard in shards]
+        return {k: [r[k] for r in results] for k in results[0]}
+
+    def process(self, shard: Shard) -> dict:
+        started = time.perf_counter()
+        rows, ids, errors = read_shard(self.input, shard)
+        ids = self._ids(rows, ids, errors)
+        prompts, todo = [], []
+        for i, row in enumerate(rows):
+            if errors[i] is None:
+                prompt, errors[i] = self.prompts.build(row)
+                if prompt is not None:
+                    prompts.append(prompt)
+                    todo.append(i)
+        params = [SamplingParams(**self.sampling, seed=row_seed(self.base_seed, ids[i])) for i in todo]
+        completions = self.engine.generate(prompts, params) if prompts else []
+        results = [None] * len(rows)
+        for i, c in zip(todo, completions):
+            results[i] = (c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error)
+        table = self._table(rows, ids, errors, results)
+        summary = summarize(table)
+        summary.update(shard=shard.key, file=shard.name, start=shard.start, stop=shard.stop,
+                       seconds=time.perf_counter() - started, worker=self.worker_id,
+                       part=self.output.storage.uri(self.output.part_path(shard.key)))
+        self.output.commit(shard.key, table, summary)
+        return {k: summary[k] for k in ("shard", "rows", "errors", "prompt_tokens", "generated_tokens",
+                                        "seconds", "worker", "part")} | {"error_samples": summary["error_samples"]}
+
+    def _ids(self, rows: list[dict], derived: list[str], errors: list) -> list[str]:
+        column = self.spec["input"]["id_column"]
+        if not column:
+            return derived
+        ids, seen = [], set()
+        for i, row in enumerate(rows):
+            value = row.get(column)
+            if value is None:
+                if errors[i] is None:
+                    errors[i] = f"id column {column!r} is missing or null"
+                value = derived[i]
+            value = str(value)
+            if value in seen:
+                raise FatalShardError(f"duplicate id {value!r} in column {column!r}")
+            seen.add(value)
+            ids.append(value)
+        return ids
+
+    def _table(self, rows, ids, errors, results) -> pa.Table:
+        keep = self.spec["input"]["columns"]
+        out = []
+        for row, row_id, err, res in zip(rows, ids, errors, results):
+            record = {"id": row_id}
+            for name, value in row.items():
+                if (keep is None or name in keep) and name not in OUTPUT_COLUMNS and name != "id":
+                    record[name] = value
+            if res is None:
+                res = ("", 0, 0, "error", err)
+            record.update(zip(OUTPUT_COLUMNS, res))
+            out.append(record)
+        if not out:
+            return _empty_table()
+        names = list(dict.fromkeys(name for record in out for name in record))
+        return pa.table({name: _column([record.get(name) for record in out]) for name in names})
+
+
+def _empty_table() -> pa.Table:
+    return pa.table({"id": pa.array([], pa.string()), "generated_text": pa.array([], pa.string()),
+                     "num_prompt_tokens": pa.array([], pa.int64()), "num_generated_tokens": pa.array([], pa.int64()),
+                     "finish_reason": pa.array([], pa.string()), "error": pa.array([], pa.string())})
+
+
+def _column(values: list) -> pa.Array:
+    """An Arrow column from Python values; a column of mixed types becomes JSON text, and a
+    column that is null in every row becomes text, so that the parts of one job agree."""
+    try:
+        array = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        array = pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values],
+                         pa.string())
+    return array.cast(pa.string()) if pa.types.is_null(array.type) else array
+
+
+def _plain(value):
+    """numpy scalars from a Ray batch -> Python values."""
+    return value.item() if hasattr(value, "item") else value

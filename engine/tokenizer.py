@@ -16,7 +16,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the special tokens the model expects (e.g. BOS)."""
-        return self.hf(text, add_special_tokens=True)["input_ids"]
+        return self.hf(text, add_special_tokens=True, verbose=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)

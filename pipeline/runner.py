@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,12 @@ def run_job(spec: dict, overwrite: bool = False, address: str | None = None, pro
     this_run = {k: 0 for k in SUMMARY_FIELDS}
     if pending:
         ensure_ray(address)
+        if spec["input"]["id_column"] and not record.get("ids_unique"):
+            progress("checking that id_column values are unique")
+            _check_unique_ids(spec, pending if len(pending) == len(all_keys) else list(
+                plan_shards(in_storage, files, spec["workers"]["rows_per_batch"])))
+            record["ids_unique"] = True
+            out.write_json("_job.json", record)
         gen_started = time.time()
         this_run = _execute(spec, pending, progress)
     gen_seconds = time.time() - gen_started
@@ -214,7 +221,39 @@ def _worker_cause(exc: BaseException) -> str:
         exc = inner
     if isinstance(exc, FatalShardError):
         return str(exc)
+    # Ray may ship the cause only as text in the remote traceback.
+    found = re.search(rf"{FatalShardError.__name__}: (.+)", str(exc))
+    if found:
+        return found.group(1).strip()
     return f"a worker failed: {_one_line(exc)}"
+
+
+def _check_unique_ids(spec: dict, shards: list) -> None:
+    """Fails when id_column holds a value twice anywhere in the input. Runs as a Ray Data
+    group-by, so no process ever holds every id."""
+    import ray
+
+    column = spec["input"]["id_column"]
+    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
+    ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
+    from ray.data.expressions import col
+
+    dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)
+    if dup:
+        raise JobError(f"duplicate id {dup[0]['id']!r} in column {column!r} (ids must be unique)")
+
+
+def _shard_ids(batch: dict, spec: dict) -> dict:
+    from pipeline.source import Shard, read_shard
+
+    storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
+    column = spec["input"]["id_column"]
+    ids = []
+    for i in range(len(batch["file"])):
+        shard = Shard(**{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in batch.items()})
+        rows, _, _ = read_shard(storage, shard)
+        ids += [str(r[column]) for r in rows if r.get(column) is not None]
+    return {"id": ids}
 
 
 # -- manifest -----------------------------------------------------------------------------------

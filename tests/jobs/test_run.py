@@ -1,0 +1,154 @@
+"""End-to-end jobs through the CLI on a local Ray: inputs in, every id out exactly once."""
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from helpers import committed_ids, read_output, write_jsonl
+from jobs.cli import main
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def run(*args):
+    result = CliRunner().invoke(main, ["run", *map(str, args)], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
+    for f in range(3):
+        rows = [{"prompt": f"file {f} row {i}", "n": i, "meta": {"f": f}} for i in range(25)]
+        write_jsonl(tmp_path / "in" / f"part{f}.jsonl", rows)
+    out = tmp_path / "out"
+    code, text = run("--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+                     "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
+    assert code == 0, text
+    table = read_output(out)
+    ids = table["id"].to_pylist()
+    assert sorted(ids) == sorted(f"part{f}.jsonl:{i}" for f in range(3) for i in range(25))
+    assert len(ids) == len(set(ids)) == 75
+    assert set(table.column_names) >= {"prompt", "n", "meta", "generated_text", "num_prompt_tokens",
+                                       "num_generated_tokens", "finish_reason", "error"}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["rows"] == 75 and manifest["errors"] == 0
+    assert manifest["generated_tokens"] == sum(table["num_generated_tokens"].to_pylist())
+    assert manifest["status"] == "complete" and (out / "_SUCCESS").exists()
+    assert len(manifest["parts"]) == 9 and len(manifest["workers"]) >= 1
+    assert "rows" in text and "75" in text  # summary table
+
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()}
+    code, text = run("--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+                     "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
+    assert code == 0 and "nothing to do" in text
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()} == before
+
+
+def test_parquet_template_id_column_and_jsonl_output(tmp_path):
+    (tmp_path / "in").mkdir()
+    for f in range(2):
+        table = pa.table({"qid": [f"q{f}-{i}" for i in range(12)], "question": [f"what is {i}?" for i in range(12)],
+                          "answer": [str(i) for i in range(12)]})
+        pq.write_table(table, tmp_path / "in" / f"{f}.parquet", row_group_size=5)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"""
+input: {{path: {tmp_path / 'in'}, template: "Q: {{question}}\\nA:", id_column: qid, columns: [answer]}}
+output: {{path: {tmp_path / 'out'}, format: jsonl}}
+sampling: {{max_tokens: 4, temperature: 0.0}}
+workers: {{rows_per_batch: 7}}
+""")
+    code, text = run(spec)
+    assert code == 0, text
+    table = read_output(tmp_path / "out")
+    assert sorted(table["id"].to_pylist()) == sorted(f"q{f}-{i}" for f in range(2) for i in range(12))
+    assert "question" not in table.column_names and "answer" in table.column_names
+    row = table.to_pylist()[0]
+    assert row["num_prompt_tokens"] == len(f"Q: what is 0?\nA:".encode()) + 1 or row["num_prompt_tokens"] > 5
+
+
+def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
+    rows = [{"prompt": "fine"}, {"prompt": None}, {"prompt": ""}, {"prompt": 7}, {"prompt": "x" * 5000}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+                     "--set", "engine.max_model_len=1024")
+    assert code == 3, text
+    assert "4 of 5 rows failed" in text and "prompt is null" in text
+    assert not (out / "_SUCCESS").exists()
+    table = read_output(out)
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert by_id["in.jsonl:0"]["finish_reason"] in ("stop", "length")
+    assert by_id["in.jsonl:1"]["error"] == "prompt is null"
+    assert by_id["in.jsonl:2"]["error"] == "prompt is empty"
+    assert by_id["in.jsonl:3"]["error"] == "prompt must be text, got int"
+    assert "max_model_len (1024)" in by_id["in.jsonl:4"]["error"]
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+                     "--set", "engine.max_model_len=1024", "--set", "max_error_rate=0.9", "--overwrite")
+    assert code == 0 and (out / "_SUCCESS").exists()
+
+
+@pytest.mark.parametrize("case", ["no_files", "missing_column", "missing_model", "bad_template"])
+def test_fatal_problems_fail_fast_with_one_line(tmp_path, case):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"text": "hi"}])
+    args = ["--input", tmp_path / "in", "--output", tmp_path / "out", "--set", "input.prompt_column=text"]
+    expected = {"no_files": "no input files", "missing_column": "input column 'prompt' not found in a.jsonl",
+                "missing_model": "model directory not found", "bad_template": "not allowed"}[case]
+    if case == "no_files":
+        args[1] = tmp_path / "empty"
+        (tmp_path / "empty").mkdir()
+    elif case == "missing_column":
+        args[-1] = "input.prompt_column=prompt"
+    elif case == "missing_model":
+        args += ["--model", tmp_path / "no-such-model"]
+    else:
+        args += ["--set", "input.template='{text.__class__}'"]
+    start = time.time()
+    code, text = run(*args)
+    assert code == 1 and expected in text, text
+    assert len([ln for ln in text.splitlines() if ln.startswith("error:")]) == 1
+    assert time.time() - start < 20
+
+
+def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    base = ["--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "sampling.max_tokens=3"]
+    assert run(*base)[0] == 0
+    code, text = run(*base[:-1], "sampling.max_tokens=5")
+    assert code == 1 and "different job spec" in text and "--overwrite" in text
+    code, text = run(*base[:-1], "sampling.max_tokens=5", "--overwrite")
+    assert code == 0
+    assert sorted(committed_ids(tmp_path / "out")) == ["in.jsonl:0", "in.jsonl:1"]
+
+
+def test_duplicate_ids_are_fatal_and_named(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
+                                        {"id": "a", "prompt": "z"}])
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out",
+                     "--set", "input.id_column=id", "--set", "sampling.max_tokens=2")
+    assert code == 1 and "duplicate id 'a'" in text, text
+
+
+def test_s3_input_to_s3_output(tmp_path, s3_server):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("batchinfer-test")
+    for f in range(2):
+        fs.pipe(f"batchinfer-test/in/{f}.jsonl",
+                "".join(json.dumps({"prompt": f"s3 {f} {i}"}) + "\n" for i in range(8)).encode())
+    code, text = run("--input", "s3://batchinfer-test/in/", "--output", "s3://batchinfer-test/out/",
+                     "--set", "workers.rows_per_batch=5", "--set", "sampling.max_tokens=3")
+    assert code == 0, text
+    assert fs.exists("batchinfer-test/out/_SUCCESS")
+    manifest = json.loads(fs.cat("batchinfer-test/out/manifest.json"))
+    assert manifest["rows"] == 16 and all(p["path"].startswith("s3://") for p in manifest["parts"])
+    ids = []
+    for part in manifest["parts"]:
+        with fs.open(part["path"]) as f:
+            ids += pq.read_table(f)["id"].to_pylist()
+    assert sorted(ids) == sorted(f"{f}.jsonl:{i}" for f in range(2) for i in range(8))
+    assert "testing-secret" not in json.dumps(manifest)

@@ -1,0 +1,81 @@
+"""The job spec: one validation, paths of bad keys, --set overrides, one default per field."""
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from engine import EngineConfig, SamplingParams
+from jobs.cli import main
+from jobs.spec import SpecError, field_reference, load_spec
+
+
+def spec(*overrides, **kw):
+    return load_spec(None, list(overrides), input=kw.get("input", "in.jsonl"), output=kw.get("output", "out/"))
+
+
+def test_defaults_come_from_the_engine_dataclasses():
+    s = spec()
+    for f in dataclasses.fields(SamplingParams):
+        assert getattr(s.sampling, f.name) == getattr(SamplingParams(), f.name)
+    for name in s.engine.model_fields:
+        assert getattr(s.engine, name) == getattr(EngineConfig(), name)
+    assert s.model == "builtin:tiny" and s.workers.cpus < 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("engine.max_batch_tokenz=3", "engine.max_batch_tokenz: unknown key"),
+    ("workers.num=many", "workers.num: Input should be a valid integer"),
+    ("sampling.temperature=-1", "sampling.temperature: temperature must be >= 0.0"),
+    ("sampling.top_p=2", "sampling.top_p"),
+    ("max_error_rate=1.5", "max_error_rate"),
+    ("output.format=csv", "output.format"),
+    ("bogus=1", "bogus: unknown key"),
+])
+def test_bad_values_name_their_path(override, message):
+    with pytest.raises(SpecError, match="invalid job spec") as err:
+        spec(override)
+    assert message in str(err.value)
+
+
+def test_set_parses_yaml_values_and_nested_keys(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: builtin:tiny\ninput: {path: a.jsonl}\noutput: {path: out/}\n"
+                    "sampling: {max_tokens: 8}\n")
+    s = load_spec(path, ['sampling.stop=["\\n", "###"]', "engine.max_model_len=null", "workers.gpus=0.5"],
+                  output="elsewhere/")
+    assert s.sampling.stop == ["\n", "###"] and s.sampling.max_tokens == 8
+    assert s.engine.max_model_len is None and s.workers.gpus == 0.5
+    assert s.output.path == "elsewhere/"
+
+
+def test_missing_paths_and_bad_files(tmp_path):
+    with pytest.raises(SpecError, match="input: required"):
+        load_spec(None, [], output="o")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+    with pytest.raises(SpecError, match="cannot read spec"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_fingerprint_tracks_what_changes_rows():
+    base = spec().fingerprint()
+    assert spec(output="other/").fingerprint() == base
+    assert spec("workers.num=4").fingerprint() == base
+    assert spec("sampling.max_tokens=99").fingerprint() != base
+    assert spec("workers.rows_per_batch=7").fingerprint() != base  # shard boundaries move
+
+
+def test_every_field_has_a_description_and_the_cli_lists_them():
+    rows = field_reference()
+    assert all(desc for _, _, _, desc in rows)
+    out = CliRunner().invoke(main, ["spec"])
+    assert out.exit_code == 0
+    for key, *_ in rows:
+        assert key in out.output
+
+
+def test_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path):
+    out = CliRunner().invoke(main, ["run", "--input", "x.jsonl", "--output", str(tmp_path), "--set", "nope=1"])
+    assert out.exit_code == 2 and "nope: unknown key" in out.output

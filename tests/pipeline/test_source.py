@@ -1,0 +1,93 @@
+"""Listing, shard planning and shard reading: ids stable, every row in exactly one shard."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import source
+from pipeline.source import InputError, list_inputs, plan_shards, read_shard
+from pipeline.storage import Storage
+
+
+def write_jsonl(path, rows, trailing_newline=True, blank_every=0):
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append(json.dumps(r))
+        if blank_every and i % blank_every == 0:
+            lines.append("")
+    path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
+
+
+def all_rows(storage, rows_per_shard):
+    files = list_inputs(storage, "auto")
+    shards = list(plan_shards(storage, files, rows_per_shard))
+    ids, rows = [], []
+    for shard in shards:
+        r, i, e = read_shard(storage, shard)
+        assert all(err is None for err in e)
+        rows += r
+        ids += i
+    return shards, ids, rows
+
+
+@pytest.mark.parametrize("trailing", [True, False])
+@pytest.mark.parametrize("per_shard", [1, 7, 1000])
+def test_jsonl_shards_cover_every_line_once(tmp_path, monkeypatch, trailing, per_shard):
+    monkeypatch.setattr(source, "BLOCK", 64)  # force shard boundaries to straddle read blocks
+    data = [{"prompt": f"p{i}", "n": i} for i in range(53)]
+    write_jsonl(tmp_path / "a.jsonl", data, trailing_newline=trailing)
+    shards, ids, rows = all_rows(Storage(str(tmp_path)), per_shard)
+    assert [r["n"] for r in rows] == list(range(53))
+    assert ids == [f"a.jsonl:{i}" for i in range(53)]
+    assert all(s.stop - s.start <= per_shard for s in shards)
+    assert len({s.key for s in shards}) == len(shards)
+
+
+def test_blank_lines_are_skipped_and_ids_are_line_numbers(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": str(i)} for i in range(5)], blank_every=2)
+    _, ids, rows = all_rows(Storage(str(tmp_path / "a.jsonl")), 2)
+    assert [r["prompt"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert ids == ["a.jsonl:0", "a.jsonl:2", "a.jsonl:3", "a.jsonl:5", "a.jsonl:6"]
+
+
+def test_parquet_shards_span_row_groups(tmp_path):
+    table = pa.table({"prompt": [f"p{i}" for i in range(100)], "n": list(range(100))})
+    pq.write_table(table, tmp_path / "x.parquet", row_group_size=13)
+    shards, ids, rows = all_rows(Storage(str(tmp_path)), 30)
+    assert [(s.start, s.stop) for s in shards] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert [r["n"] for r in rows] == list(range(100)) and ids[42] == "x.parquet:42"
+
+
+def test_listing_directories_globs_and_hidden_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b"}])
+    write_jsonl(tmp_path / "sub" / "a.json", [{"prompt": "a"}])
+    write_jsonl(tmp_path / ".hidden.jsonl", [{"prompt": "h"}])
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / "notes.txt").write_text("x")
+    names = [n for _, n, _ in list_inputs(Storage(str(tmp_path)), "auto")]
+    assert names == ["b.jsonl", "sub/a.json"]
+    names = [n for _, n, _ in list_inputs(Storage(str(tmp_path / "*.jsonl")), "auto")]
+    assert names == ["b.jsonl"]
+
+
+def test_no_inputs_is_fatal(tmp_path):
+    with pytest.raises(InputError, match="no input files"):
+        list_inputs(Storage(str(tmp_path)), "auto")
+    with pytest.raises(InputError, match="input not found"):
+        list_inputs(Storage(str(tmp_path / "missing.jsonl")), "auto")
+
+
+def test_malformed_line_is_a_row_error_naming_file_and_line(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"prompt": "ok"}\n{oops\n[1, 2]\n\xff\xfe\n')
+    storage = Storage(str(tmp_path))
+    shard = next(plan_shards(storage, list_inputs(storage, "auto"), 100))
+    rows, ids, errors = read_shard(storage, shard)
+    assert errors[0] is None and rows[0] == {"prompt": "ok"}
+    assert "a.jsonl line 2: malformed JSON" in errors[1]
+    assert "expected a JSON object" in errors[2]
+    assert "a.jsonl line 4" in errors[3]
+    assert len(ids) == 4

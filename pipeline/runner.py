@@ -177,7 +177,7 @@ def ensure_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=os.cpu_count(), **quiet)
+        ray.init(address="local", num_cpus=os.cpu_count(), **quiet)  # a fresh local Ray, sized to this machine
 
 
 def _execute(spec: dict, shards: list, progress) -> dict:

@@ -29,6 +29,9 @@ from pipeline.worker import FatalShardError, ShardWorker, engine_config
 log = logging.getLogger("batchinfer")
 
 
+LOCAL_ID_CHECK_ROWS = 1_000_000  # above this, the unique-id check runs distributed
+
+
 class JobError(RuntimeError):
     """A fatal problem: the job cannot run. The message is the one-line cause."""
 
@@ -90,13 +93,16 @@ def run_job(spec: dict, overwrite: bool = False, address: str | None = None, pro
     gen_started = time.time()
     this_run = {k: 0 for k in SUMMARY_FIELDS}
     if pending:
-        ensure_ray(address)
         if spec["input"]["id_column"] and not record.get("ids_unique"):
             progress("checking that id_column values are unique")
-            _check_unique_ids(spec, pending if len(pending) == len(all_keys) else list(
-                plan_shards(in_storage, files, spec["workers"]["rows_per_batch"])))
+            shards = pending if len(pending) == len(all_keys) else list(
+                plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]))
+            if sum(s.stop - s.start for s in shards) > LOCAL_ID_CHECK_ROWS:
+                ensure_ray(address)
+            _check_unique_ids(spec, shards)
             record["ids_unique"] = True
             out.write_json("_job.json", record)
+        ensure_ray(address)
         gen_started = time.time()
         this_run = _execute(spec, pending, progress)
     gen_seconds = time.time() - gen_started
@@ -188,6 +194,9 @@ def _execute(spec: dict, shards: list, progress) -> dict:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     ctx.enable_auto_log_stats = False
+    detectors = getattr(ctx, "issue_detectors_config", None)
+    if detectors is not None:  # per-actor memory advice is noise for a model-sized actor
+        detectors.high_memory_detector_config.detection_time_interval_s = -1
     workers = spec["workers"]
     ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
     ds = ds.map_batches(
@@ -229,11 +238,19 @@ def _worker_cause(exc: BaseException) -> str:
 
 
 def _check_unique_ids(spec: dict, shards: list) -> None:
-    """Fails when id_column holds a value twice anywhere in the input. Runs as a Ray Data
-    group-by, so no process ever holds every id."""
+    """Fails when id_column holds a value twice anywhere in the input. Small inputs are checked
+    here; large ones as a Ray Data group-by, so no process ever holds every id."""
+    column = spec["input"]["id_column"]
+    if sum(s.stop - s.start for s in shards) <= LOCAL_ID_CHECK_ROWS:
+        seen: set[str] = set()
+        for shard in shards:
+            for value in _shard_ids({k: [v] for k, v in shard.to_dict().items()}, spec)["id"]:
+                if value in seen:
+                    raise JobError(f"duplicate id {value!r} in column {column!r} (ids must be unique)")
+                seen.add(value)
+        return
     import ray
 
-    column = spec["input"]["id_column"]
     ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
     ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     from ray.data.expressions import col

@@ -41,6 +41,8 @@ class ShardWorker:
         self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
                                 spec["output"]["format"])
         self.prompts = PromptBuilder(spec["input"]["prompt_column"], spec["input"]["template"])
+        if not spec["workers"]["gpus"]:
+            _share_cpu_threads(spec["workers"]["num"])
         self.engine = LLMEngine(engine_config(spec))
         sampling = dict(spec["sampling"])
         self.base_seed = sampling.pop("seed")
@@ -119,6 +121,14 @@ def _empty_table() -> pa.Table:
     return pa.table({"id": pa.array([], pa.string()), "generated_text": pa.array([], pa.string()),
                      "num_prompt_tokens": pa.array([], pa.int64()), "num_generated_tokens": pa.array([], pa.int64()),
                      "finish_reason": pa.array([], pa.string()), "error": pa.array([], pa.string())})
+
+
+def _share_cpu_threads(num_workers: int) -> None:
+    """Ray caps a fractional-CPU actor at one math thread (OMP_NUM_THREADS=1); on a CPU-only
+    node the engines should share the cores instead."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
 
 
 def _column(values: list) -> pa.Array:

@@ -152,3 +152,20 @@ def test_s3_input_to_s3_output(tmp_path, s3_server):
             ids += pq.read_table(f)["id"].to_pylist()
     assert sorted(ids) == sorted(f"{f}.jsonl:{i}" for f in range(2) for i in range(8))
     assert "testing-secret" not in json.dumps(manifest)
+
+
+def test_validate_counts_rows_without_generating(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"prompt": str(i)} for i in range(7)])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"prompt": str(i)} for i in range(5)])
+    result = CliRunner().invoke(main, ["validate", "--input", str(tmp_path / "in"), "--output",
+                                       str(tmp_path / "out"), "--set", "workers.rows_per_batch=4"])
+    assert result.exit_code == 0, result.output
+    assert "ok: 2 files, 12 rows" in result.output and "4 shards" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_is_fatal(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    (tmp_path / "file").write_text("not a directory")
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "file" / "out")
+    assert code == 1 and "cannot write to output" in text, text

@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Prints the first rows of a job's output, read through its manifest.
+
+    .venv/bin/python scripts/show_output.py OUTPUT_DIR [--rows 5]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output")
+    ap.add_argument("--rows", type=int, default=5)
+    args = ap.parse_args()
+    fs, root = fsspec.core.url_to_fs(args.output)
+    manifest = json.loads(fs.cat_file(root.rstrip("/") + "/manifest.json"))
+    shown = 0
+    for part in manifest["parts"]:
+        with fsspec.open(part["path"], "rb") as f:
+            data = f.read()
+        table = pq.read_table(io.BytesIO(data)) if manifest["format"] == "parquet" else \
+            pa.Table.from_pylist([json.loads(x) for x in data.splitlines()])
+        for row in table.to_pylist():
+            if shown == args.rows:
+                break
+            text = row["generated_text"] if row["finish_reason"] != "error" else f"ERROR: {row['error']}"
+            print(f"{row['id']}: {row.get('prompt', '')!r}\n    -> {text!r} [{row['finish_reason']}, "
+                  f"{row['num_generated_tokens']} tokens]")
+            shown += 1
+    print(f"... {manifest['rows']} rows in {len(manifest['parts'])} parts under {args.output} "
+          f"(builtin models have random weights: the text is noise)")
+
+
+if __name__ == "__main__":
+    main()

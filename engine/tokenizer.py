@@ -21,12 +21,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-
 
 def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
     """Earliest (index, stop string) in text[start:], or None. Indexes are character offsets,

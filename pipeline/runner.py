@@ -60,10 +60,6 @@ class JobResult:
     error_samples: list[str] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.manifest.get("this_run", {}).get("generated_tokens_per_second", 0.0)
-
 
 def run_job(spec: dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
     """Runs (or resumes) the job described by a validated spec dict (JobSpec.model_dump())."""

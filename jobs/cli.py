@@ -117,6 +117,53 @@ def validate(config, model, input_, output, overrides):
     click.echo(f"ok: {len(files)} files, {rows} rows (JSONL: lines), {shards} shards; model {spec.model}")
 
 
+@main.command()
+@click.argument("output")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--storage-option", "options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec option for the output filesystem (repeatable).")
+def report(output, as_json, options):
+    """Summarise a finished or partial job from what its OUTPUT directory holds."""
+    from pipeline.report import output_report
+
+    try:
+        data = output_report(output, dict(o.split("=", 1) for o in options))
+    except FileNotFoundError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    if as_json:
+        click.echo(json.dumps(data, indent=1, default=str))
+        return
+    click.echo(report_table(data))
+
+
+def report_table(data: dict) -> str:
+    usage = data.get("usage", {})
+    rows = [("output", data["output"]), ("status", data["status"]),
+            ("shards committed", f"{data['shards_committed']}"
+             + (f" of {data['shards_planned']}" if data.get("shards_planned") else "")),
+            ("rows", str(data["rows"])), ("errors", str(data["errors"])),
+            ("prompt tokens", str(data["prompt_tokens"])), ("generated tokens", str(data["generated_tokens"])),
+            ("runs", str(usage.get("runs", 0))),
+            ("generating time", f"{usage.get('generate_seconds', 0.0):.1f}s"),
+            ("tokens/s", f"{usage.get('tokens_per_second', 0.0):.1f}")]
+    rows += [(k.replace("_", " "), f"{v:.4f}") for k, v in usage.items() if k.endswith("_hours")]
+    if "cost" in usage:
+        per_m = usage.get("cost_per_1m_generated_tokens")
+        rows += [("cost", f"{usage['cost']:.4f}"),
+                 ("cost per 1M generated tokens", f"{per_m:.4f}" if per_m is not None else "-")]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    workers = data.get("workers", {})
+    if workers:
+        lines.append("")
+        lines.append(f"{'worker'.ljust(24)} {'shards':>7} {'rows':>9} {'tokens':>10} {'busy s':>9} {'tok/s':>8}")
+        for name, w in sorted(workers.items()):
+            lines.append(f"{name[:24].ljust(24)} {w['shards']:>7} {w['rows']:>9} {w['generated_tokens']:>10} "
+                         f"{w['seconds']:>9.1f} {w['tokens_per_second']:>8.1f}")
+    return "\n".join(lines)
+
+
 @main.command(name="spec")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def spec_cmd(as_json):

@@ -75,6 +75,13 @@ class OutputSpec(_Section):
     format: Literal["parquet", "jsonl"] = Field("parquet", description="Format of the output parts.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for the output filesystem.")
+    lock_stale_after_s: float = Field(
+        120.0, gt=0, description="A run lock whose heartbeat is older than this is taken over by a new run.")
+
+
+class ReportSpec(_Section):
+    price_per_hour: float | None = Field(
+        None, ge=0, description="Price of one GPU-hour (CPU-core-hour on CPU): adds cost figures to the manifest.")
 
 
 class WorkersSpec(_Section):
@@ -93,6 +100,7 @@ class JobSpec(_Section):
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Generation engine settings.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Decoding settings for every row.")
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
+    report: ReportSpec = Field(default_factory=ReportSpec, description="Cost accounting.")
     max_error_rate: float = Field(
         0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
     seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
@@ -106,8 +114,9 @@ class JobSpec(_Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written)."""
-        data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options"},
-                                                     "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"}})
+        data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
+                                                     "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"},
+                                                     "report": True, "max_error_rate": True})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

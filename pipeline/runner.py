@@ -15,12 +15,15 @@ import platform
 import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from engine import __version__
 from engine.config import EngineConfig
 from engine.loader import ModelLoadError, check_weights, load_tokenizer, resolve_model_dir
+from pipeline.lock import LockHeld, RunLock
 from pipeline.prompts import PromptBuilder, TemplateError
+from pipeline.report import build_report, new_run, touch_run, write_run
 from pipeline.sink import SUMMARY_FIELDS, OutputDir
 from pipeline.source import InputError, list_inputs, plan_shards, read_schema_columns
 from pipeline.storage import Storage, redact
@@ -63,18 +66,34 @@ class JobResult:
 
 def run_job(spec: dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
     """Runs (or resumes) the job described by a validated spec dict (JobSpec.model_dump())."""
-    started = time.time()
     progress = progress or _print_progress
     out = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]), spec["output"]["format"])
     files = preflight(spec)
-    fingerprint = spec["fingerprint"]
-    record = _claim_output(out, spec, fingerprint, overwrite)
+    run = new_run(spec, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    lock = RunLock(out.storage, stale_after_s=spec["output"]["lock_stale_after_s"],
+                   on_heartbeat=lambda: write_run(out, run))
+    try:
+        lock.acquire()
+    except LockHeld as exc:
+        raise JobError(str(exc)) from None
+    except OSError as exc:
+        raise JobError(f"cannot write to output {spec['output']['path']}: {_one_line(exc)}") from None
+    try:
+        if lock.took_over:
+            progress(f"took over the stale lock of {lock.took_over.get('owner')}")
+        return _run_locked(spec, out, files, run, overwrite, address, progress)
+    finally:
+        lock.release()
+
+
+def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address, progress) -> JobResult:
+    record = _claim_output(out, spec, spec["fingerprint"], overwrite)
     if out.is_complete():
-        manifest = out.read_json("manifest.json") or {}
-        return _result("nothing_to_do", out, manifest, 0, time.time() - started, 0.0)
+        return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     removed = out.storage.remove_temporaries(out.storage.path("data"))
     if removed:
         log.info("removed %d half-written parts left by an earlier crash", removed)
+    write_run(out, run)
 
     in_storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
     done = out.done_keys()
@@ -85,9 +104,9 @@ def run_job(spec: dict, overwrite: bool = False, address: str | None = None, pro
             pending.append(shard)
     progress(f"{len(all_keys)} shards planned, {len(all_keys) - len(pending)} already committed, "
              f"{len(pending)} to run")
-
-    gen_started = time.time()
-    this_run = {k: 0 for k in SUMMARY_FIELDS}
+    if record.get("shards_planned") != len(all_keys):
+        record["shards_planned"] = len(all_keys)
+        out.write_json("_job.json", record)
     if pending:
         if spec["input"]["id_column"] and not record.get("ids_unique"):
             progress("checking that id_column values are unique")
@@ -99,22 +118,27 @@ def run_job(spec: dict, overwrite: bool = False, address: str | None = None, pro
             record["ids_unique"] = True
             out.write_json("_job.json", record)
         ensure_ray(address)
-        gen_started = time.time()
-        this_run = _execute(spec, pending, progress)
-    gen_seconds = time.time() - gen_started
+        run["generate_started"] = time.time()
+        try:
+            _execute(spec, pending, run, progress)
+        except BaseException:
+            run["status"], run["finished"] = "failed", time.time()
+            write_run(out, run)
+            raise
+        touch_run(run)
 
     missing = [k for k in all_keys if k not in out.done_keys()]
     if missing:
         raise JobError(f"{len(missing)} shards have no committed output after the run; rerun to resume")
-    manifest = _manifest(spec, out, all_keys, record, this_run, started, gen_seconds)
-    status = "complete"
+    run["status"], run["finished"] = "done", time.time()
+    write_run(out, run)
+    manifest = _manifest(spec, out, all_keys, record, run)
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > spec["max_error_rate"]:
-        status = "error_rate_exceeded"
-    manifest["status"] = status
+        manifest["status"] = "error_rate_exceeded"
     out.write_json("manifest.json", manifest)
-    if status == "complete":
+    if manifest["status"] == "complete":
         out.mark_success()
-    return _result(status, out, manifest, this_run["rows"], time.time() - started, gen_seconds)
+    return _result(manifest["status"], out, manifest, run)
 
 
 # -- checks before any actor starts -------------------------------------------------------------
@@ -175,14 +199,15 @@ def ensure_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    quiet = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
-    if address:
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for the driver
         ray.init(address=address, **quiet)
     else:
-        ray.init(address="local", num_cpus=os.cpu_count(), **quiet)  # a fresh local Ray, sized to this machine
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet)  # a fresh local Ray, sized to this machine
 
 
-def _execute(spec: dict, shards: list, progress) -> dict:
+def _execute(spec: dict, shards: list, run: dict, progress) -> None:
+    """Runs the shards through the actor pool; adds each committed shard's counts to `run`."""
     import ray
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -200,19 +225,17 @@ def _execute(spec: dict, shards: list, progress) -> dict:
         compute=ray.data.ActorPoolStrategy(size=workers["num"]),
         num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
     )
-    totals = {k: 0 for k in SUMMARY_FIELDS}
     t0, done = time.time(), 0
     try:
         for row in ds.iter_rows():
             done += 1
             for k in SUMMARY_FIELDS:
-                totals[k] += int(row[k])
+                run[k] += int(row[k])
             elapsed = max(time.time() - t0, 1e-9)
-            progress(f"[{done}/{len(shards)} shards] {totals['rows']} rows, {totals['errors']} errors, "
-                     f"{totals['generated_tokens']} tokens, {totals['generated_tokens'] / elapsed:.1f} tok/s")
+            progress(f"[{done}/{len(shards)} shards] {run['rows']} rows, {run['errors']} errors, "
+                     f"{run['generated_tokens']} tokens, {run['generated_tokens'] / elapsed:.1f} tok/s")
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         raise JobError(_worker_cause(exc)) from exc
-    return totals
 
 
 def _worker_cause(exc: BaseException) -> str:
@@ -271,37 +294,23 @@ def _shard_ids(batch: dict, spec: dict) -> dict:
 
 # -- manifest -----------------------------------------------------------------------------------
 
-def _manifest(spec, out: OutputDir, keys, record, this_run, started, gen_seconds) -> dict:
-    parts, totals, samples, workers = [], {k: 0 for k in SUMMARY_FIELDS}, [], {}
-    for key in keys:
-        s = out.summary(key)
-        for k in SUMMARY_FIELDS:
-            totals[k] += s[k]
-        samples += s.get("error_samples", [])
-        parts.append({"path": out.storage.uri(out.part_path(key)), "shard": key, "rows": s["rows"],
-                      "file": s.get("file"), "start": s.get("start"), "stop": s.get("stop")})
-        w = workers.setdefault(s.get("worker", "unknown"), {"shards": 0, "rows": 0, "generated_tokens": 0,
-                                                             "seconds": 0.0})
-        w["shards"] += 1
-        w["rows"] += s["rows"]
-        w["generated_tokens"] += s["generated_tokens"]
-        w["seconds"] += s.get("seconds", 0.0)
-    wall = time.time() - started
+def _manifest(spec, out: OutputDir, keys, record, run) -> dict:
+    report = build_report(out, keys, spec["report"]["price_per_hour"])
     return {
         "batchinfer_version": __version__,
+        "status": "complete",
         "spec": redact({k: v for k, v in spec.items() if k != "fingerprint"}),
         "fingerprint": spec["fingerprint"],
         "model": spec["model"],
         "format": out.format,
         "versions": _versions(),
-        **totals,
-        "error_samples": samples[:5],
-        "parts": parts,
-        "workers": workers,
+        **report,
         "created": record.get("created"),
         "finished": time.time(),
-        "this_run": {**this_run, "wall_seconds": wall, "generate_seconds": gen_seconds,
-                     "generated_tokens_per_second": this_run["generated_tokens"] / gen_seconds if gen_seconds else 0.0},
+        "this_run": {k: run[k] for k in (*SUMMARY_FIELDS, "run_id", "generate_seconds")}
+        | {"wall_seconds": run["finished"] - run["started"],
+           "generated_tokens_per_second": run["generated_tokens"] / run["generate_seconds"]
+           if run["generate_seconds"] else 0.0},
     }
 
 
@@ -321,12 +330,12 @@ def _versions() -> dict:
     return versions
 
 
-def _result(status, out: OutputDir, manifest: dict, rows_this_run: int, seconds: float, gen: float) -> JobResult:
+def _result(status, out: OutputDir, manifest: dict, run: dict) -> JobResult:
     return JobResult(status=status, output=out.storage.url, rows=manifest.get("rows", 0),
                      errors=manifest.get("errors", 0), prompt_tokens=manifest.get("prompt_tokens", 0),
-                     generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=rows_this_run,
-                     seconds=seconds, generate_seconds=gen, error_samples=manifest.get("error_samples", []),
-                     manifest=manifest)
+                     generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=run["rows"],
+                     seconds=time.time() - run["started"], generate_seconds=run["generate_seconds"],
+                     error_samples=manifest.get("error_samples", []), manifest=manifest)
 
 
 def _print_progress(message: str) -> None:

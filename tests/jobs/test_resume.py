@@ -48,6 +48,11 @@ def test_driver_sigkill_mid_generation_then_rerun(tmp_path):
     killed_at = committed_ids(out)
     assert 0 < len(killed_at) < rows and len(killed_at) == len(set(killed_at))
     assert not (out / "_SUCCESS").exists()
+    partial = subprocess.run([sys.executable, "-m", "jobs.cli", "report", str(out), "--json"],
+                             capture_output=True, text=True, check=True)
+    report = json.loads(partial.stdout)
+    assert report["status"] == "incomplete" and report["rows"] == len(killed_at)
+    assert report["shards_committed"] == len(killed_at) // 8 and report["shards_planned"] == rows // 8
 
     proc = start(job_cmd(tmp_path / "in", out), tmp_path / "run2.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "run2.log").read_text()

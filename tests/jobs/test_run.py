@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pyarrow as pa
@@ -169,3 +170,39 @@ def test_unwritable_output_is_fatal(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "file" / "out")
     assert code == 1 and "cannot write to output" in text, text
+
+
+def test_cost_and_throughput_report(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"cost {i}"} for i in range(12)])
+    out = tmp_path / "out"
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=5",
+                     "--set", "report.price_per_hour=3.5", "--set", "workers.rows_per_batch=5")
+    assert code == 0, text
+    usage = json.loads((out / "manifest.json").read_text())["usage"]
+    assert usage["runs"] == 1 and usage["cpu_core_hours"] > 0 and usage["tokens_per_second"] > 0
+    assert usage["cost"] == pytest.approx(3.5 * usage["cpu_core_hours"])
+    assert usage["cost_per_1m_generated_tokens"] == pytest.approx(usage["cost"] / 60 * 1e6)
+    shown = CliRunner().invoke(main, ["report", str(out)])
+    assert shown.exit_code == 0 and "cost per 1M generated tokens" in shown.output
+    assert re.search(r"status\s+complete", shown.output) and re.search(r"shards committed\s+3 of 3", shown.output)
+    data = json.loads(CliRunner().invoke(main, ["report", str(out), "--json"]).output)
+    assert data["rows"] == 12 and data["generated_tokens"] == 60 and len(data["workers"]) == 1
+    missing = CliRunner().invoke(main, ["report", str(tmp_path / "nothing")])
+    assert missing.exit_code == 1 and "no batchinfer job" in missing.output
+
+
+def test_a_live_run_lock_blocks_a_second_run_and_a_stale_one_is_taken_over(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "locked"}])
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = {"owner": "scheduler-2:4242:abcd", "host": "scheduler-2", "pid": 4242, "heartbeat": time.time()}
+    (out / "_lock.json").write_text(json.dumps(lock))
+    args = ["--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2",
+            "--set", "output.lock_stale_after_s=60"]
+    code, text = run(*args)
+    assert code == 1 and "another run (scheduler-2:4242:abcd" in text
+    assert not (out / "data").exists()
+    (out / "_lock.json").write_text(json.dumps(lock | {"heartbeat": time.time() - 120}))
+    code, text = run(*args)
+    assert code == 0 and "took over the stale lock of scheduler-2:4242:abcd" in text
+    assert not (out / "_lock.json").exists()

@@ -5,5 +5,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
+bash scripts/setup_airflow.sh
 export TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"

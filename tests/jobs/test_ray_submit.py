@@ -46,7 +46,8 @@ def cluster(tmp_path_factory, monkeypatch_module):
          "--disable-usage-stats"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        yield from _connect(f"http://127.0.0.1:{dash}", temp, monkeypatch_module)
+        for address, client in _connect(f"http://127.0.0.1:{dash}", temp, monkeypatch_module):
+            yield address, client, port
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
@@ -107,7 +108,7 @@ def wait(client, job_id, timeout=600):
 
 
 def test_submit_with_the_cli_succeeds_with_complete_output(cluster, tmp_path):
-    address, client = cluster
+    address, client, _ = cluster
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"submitted {i}"} for i in range(20)])
     out = tmp_path / "out"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
@@ -128,7 +129,7 @@ def test_submit_with_the_cli_succeeds_with_complete_output(cluster, tmp_path):
 
 
 def test_a_failing_job_ends_failed_with_the_cause_in_its_logs(cluster, tmp_path):
-    _, client = cluster
+    _, client, _ = cluster
     from ray.job_submission import JobStatus
 
     job_id = client.submit_job(
@@ -136,3 +137,17 @@ def test_a_failing_job_ends_failed_with_the_cause_in_its_logs(cluster, tmp_path)
         runtime_env={"working_dir": str(REPO)}, submission_id="batchinfer-bad-input")
     assert wait(client, job_id) == JobStatus.FAILED
     assert "error: input not found" in client.get_job_logs(job_id)
+
+
+def test_run_with_address_uses_the_existing_cluster(cluster, tmp_path):
+    """`batchinfer run --address HOST:PORT` drives the job from here on the running cluster."""
+    _, client, gcs_port = cluster
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"attached {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    done = subprocess.run([str(BIN / "batchinfer"), "run", "--address", f"127.0.0.1:{gcs_port}", "--input",
+                           str(tmp_path / "in.jsonl"), "--output", str(out), "--set", "sampling.max_tokens=3"],
+                          capture_output=True, text=True, timeout=600, env=os.environ | CLIENT_ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "manifest.json").read_text())["rows"] == 6
+    drivers = [j for j in client.list_jobs() if j.type.name == "DRIVER"]
+    assert drivers, "the run should show up as a driver job of the existing cluster"

@@ -66,6 +66,9 @@ class InputSpec(_Section):
         None, description="Column with unique row ids; else an id is derived from file + row position.")
     columns: list[str] | None = Field(
         None, description="Input columns copied to the output; None = all of them.")
+    on_bad_line: Literal["error", "skip", "fail"] = Field(
+        "error", description="A malformed JSONL line: error = an output row with the cause, "
+        "skip = left out (counted as skipped), fail = stop the job naming file and line.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for the input filesystem (e.g. endpoint_url).")
 

@@ -52,7 +52,7 @@ def build_report(out: OutputDir, keys, price_per_hour: float | None) -> dict:
     for key in keys:
         s = out.summary(key)
         for k in SUMMARY_FIELDS:
-            totals[k] += s[k]
+            totals[k] += s.get(k, 0)
         samples += s.get("error_samples", [])
         parts.append({"path": out.storage.uri(out.part_path(key)), "shard": key, "rows": s["rows"],
                       "file": s.get("file"), "start": s.get("start"), "stop": s.get("stop")})

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from engine import __version__
 from engine.config import EngineConfig
 from engine.loader import ModelLoadError, check_weights, load_tokenizer, resolve_model_dir
+from pipeline import chaos
 from pipeline.lock import LockHeld, RunLock
 from pipeline.prompts import PromptBuilder, TemplateError
 from pipeline.report import build_report, new_run, touch_run, write_run
@@ -96,6 +97,7 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     write_run(out, run)
 
     in_storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
+    chaos.point("listed")
     done = out.done_keys()
     all_keys, pending = [], []
     for shard in plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]):
@@ -132,10 +134,12 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
         raise JobError(f"{len(missing)} shards have no committed output after the run; rerun to resume")
     run["status"], run["finished"] = "done", time.time()
     write_run(out, run)
+    chaos.point("generated")
     manifest = _manifest(spec, out, all_keys, record, run)
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > spec["max_error_rate"]:
         manifest["status"] = "error_rate_exceeded"
     out.write_json("manifest.json", manifest)
+    chaos.point("manifest")
     if manifest["status"] == "complete":
         out.mark_success()
     return _result(manifest["status"], out, manifest, run)
@@ -224,6 +228,7 @@ def _execute(spec: dict, shards: list, run: dict, progress) -> None:
         ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=workers["num"]),
         num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
+        runtime_env={"env_vars": chaos.forwarded_env()} if chaos.forwarded_env() else None,
     )
     t0, done = time.time(), 0
     try:
@@ -239,21 +244,24 @@ def _execute(spec: dict, shards: list, run: dict, progress) -> None:
 
 
 def _worker_cause(exc: BaseException) -> str:
-    """The innermost cause of an exception that Ray wrapped (RayTaskError, UserCodeException)."""
-    seen = set()
-    while id(exc) not in seen:
+    """The cause of a worker failure that Ray wrapped (RayTaskError, UserCodeException). Ray
+    ships the remote exception as text inside the wrapper, so the cause is looked up there."""
+    chain, seen = [], set()
+    while isinstance(exc, BaseException) and id(exc) not in seen:
         seen.add(id(exc))
-        inner = getattr(exc, "cause", None) or exc.__cause__
-        if not isinstance(inner, BaseException):
-            break
-        exc = inner
-    if isinstance(exc, FatalShardError):
-        return str(exc)
-    # Ray may ship the cause only as text in the remote traceback.
-    found = re.search(rf"{FatalShardError.__name__}: (.+)", str(exc))
-    if found:
-        return found.group(1).strip()
-    return f"a worker failed: {_one_line(exc)}"
+        chain.append(exc)
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    for item in chain:
+        if isinstance(item, FatalShardError):
+            return str(item)
+        found = re.search(rf"{FatalShardError.__name__}: (.+)", str(item))
+        if found:
+            return found.group(1).strip()
+    for item in chain:
+        found = re.findall(r"^(\w+(?:Error|Exception): .+)$", str(item), flags=re.M)
+        if found:
+            return f"a worker failed: {found[-1].strip()}"
+    return f"a worker failed: {_one_line(chain[-1])}"
 
 
 def _check_unique_ids(spec: dict, shards: list) -> None:

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from pipeline.storage import Storage
 
-SUMMARY_FIELDS = ("rows", "errors", "prompt_tokens", "generated_tokens")
+SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens")
+"""Counts kept per shard and summed per job; `skipped` = malformed lines left out (on_bad_line: skip)."""
 
 
 class OutputDir:
@@ -93,7 +94,9 @@ class OutputDir:
     def read_part(self, key: str) -> pa.Table:
         data = self.storage.read_bytes(self.part_path(key))
         if self.format == "parquet":
-            return pq.read_table(io.BytesIO(data))
+            # A native buffer: reading a Python file object with threads aborts at interpreter exit
+            # once fsspec is imported (pyarrow 26).
+            return pq.read_table(pa.BufferReader(data))
         return pa.Table.from_pylist([json.loads(line) for line in data.splitlines() if line.strip()])
 
 
@@ -113,6 +116,7 @@ def summarize(table: pa.Table) -> dict:
     return {
         "rows": table.num_rows,
         "errors": len(errors),
+        "skipped": 0,
         "prompt_tokens": int(sum(d["num_prompt_tokens"])),
         "generated_tokens": int(sum(d["num_generated_tokens"])),
         "error_samples": errors[:3],

@@ -10,8 +10,9 @@ import time
 import pyarrow as pa
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from pipeline import chaos
 from pipeline.prompts import PromptBuilder
-from pipeline.sink import OutputDir, summarize
+from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage
 
@@ -36,6 +37,18 @@ class ShardWorker:
     engine on its rows, and commits one output part per shard. Returns one summary per shard."""
 
     def __init__(self, spec: dict):
+        # A constructor that raises makes Ray restart the actor again and again; a failed setup
+        # is instead reported by the first call, which fails the job with this one line.
+        self.setup_error = None
+        try:
+            self._setup(spec)
+        except Exception as exc:  # noqa: BLE001
+            text = str(exc).strip().splitlines()
+            self.setup_error = (f"worker setup failed on {socket.gethostname()}: {type(exc).__name__}: "
+                                f"{text[0] if text else ''}")
+
+    def _setup(self, spec: dict) -> None:
+        chaos.point("init")
         self.spec = spec
         self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
         self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
@@ -51,6 +64,8 @@ class ShardWorker:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
+        if self.setup_error:
+            raise FatalShardError(self.setup_error)
         keys = list(batch)
         shards = [Shard(**{k: _plain(batch[k][i]) for k in keys}) for i in range(len(batch[keys[0]]))]
         results = [self.process(shard) for shard in shards]
@@ -59,6 +74,7 @@ class ShardWorker:
     def process(self, shard: Shard) -> dict:
         started = time.perf_counter()
         rows, ids, errors = read_shard(self.input, shard)
+        rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
         prompts, todo = [], []
         for i, row in enumerate(rows):
@@ -74,12 +90,24 @@ class ShardWorker:
             results[i] = (c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error)
         table = self._table(rows, ids, errors, results)
         summary = summarize(table)
-        summary.update(shard=shard.key, file=shard.name, start=shard.start, stop=shard.stop,
+        summary.update(skipped=skipped, shard=shard.key, file=shard.name, start=shard.start, stop=shard.stop,
                        seconds=time.perf_counter() - started, worker=self.worker_id,
                        part=self.output.storage.uri(self.output.part_path(shard.key)))
+        chaos.point("shard")
         self.output.commit(shard.key, table, summary)
-        return {k: summary[k] for k in ("shard", "rows", "errors", "prompt_tokens", "generated_tokens",
-                                        "seconds", "worker", "part")} | {"error_samples": summary["error_samples"]}
+        return {k: summary[k] for k in ("shard", *SUMMARY_FIELDS, "seconds", "worker", "part", "error_samples")}
+
+    def _bad_lines(self, rows, ids, errors):
+        """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),
+        skip (leave out, counted), fail (stop the job naming the line)."""
+        policy = self.spec["input"]["on_bad_line"]
+        bad = [i for i, e in enumerate(errors) if e is not None]
+        if not bad or policy == "error":
+            return rows, ids, errors, 0
+        if policy == "fail":
+            raise FatalShardError(errors[bad[0]])
+        keep = [i for i, e in enumerate(errors) if e is None]
+        return [rows[i] for i in keep], [ids[i] for i in keep], [None] * len(keep), len(bad)
 
     def _ids(self, rows: list[dict], derived: list[str], errors: list) -> list[str]:
         column = self.spec["input"]["id_column"]

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 
 import fsspec
@@ -25,7 +24,7 @@ def main() -> None:
     for part in manifest["parts"]:
         with fsspec.open(part["path"], "rb") as f:
             data = f.read()
-        table = pq.read_table(io.BytesIO(data)) if manifest["format"] == "parquet" else \
+        table = pq.read_table(pa.BufferReader(data)) if manifest["format"] == "parquet" else \
             pa.Table.from_pylist([json.loads(x) for x in data.splitlines()])
         for row in table.to_pylist():
             if shown == args.rows:

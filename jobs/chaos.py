@@ -1,0 +1,163 @@
+"""Fault scenarios: break a real job on purpose, rerun it, and count what came out.
+
+    python -m jobs.chaos [SCENARIO ...] [--workdir DIR] [--json]
+
+Each scenario runs `python -m jobs.run` (with its own local Ray) over a fresh input, injects
+one fault (pipeline.chaos points, or a SIGKILL from outside), reruns the job when the first
+attempt did not complete, and reports rows in, rows out, duplicate and lost ids, and the
+outcome. A scenario passes when every input id is committed exactly once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.sink import OutputDir
+from pipeline.storage import Storage
+
+ROWS = 160
+ROWS_PER_SHARD = 8
+
+
+@dataclass
+class Outcome:
+    """What one scenario did to the output."""
+
+    scenario: str
+    rows_in: int
+    rows_out: int
+    duplicates: int
+    lost: int
+    outcome: str
+    """How the job ended, e.g. "first run failed (exit 1) -> rerun completed"."""
+
+    @property
+    def ok(self) -> bool:
+        return self.duplicates == 0 and self.lost == 0 and self.rows_out == self.rows_in \
+            and self.outcome.endswith("completed")
+
+
+def make_input(work: Path, rows: int = ROWS) -> list[str]:
+    """Two JSONL files; returns the ids the job derives for their rows."""
+    ids = []
+    (work / "in").mkdir(parents=True, exist_ok=True)
+    for f in range(2):
+        lines = [json.dumps({"prompt": f"chaos {f}-{i} " + "x" * (i % 30)}) for i in range(rows // 2)]
+        (work / "in" / f"{f}.jsonl").write_text("\n".join(lines) + "\n")
+        ids += [f"{f}.jsonl:{i}" for i in range(rows // 2)]
+    return ids
+
+
+def job_args(inp: str, out: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.run", "--input", inp, "--output", out,
+            "--set", f"workers.rows_per_batch={ROWS_PER_SHARD}", "--set", "sampling.max_tokens=24",
+            "--set", "sampling.ignore_eos=true", *extra]
+
+
+def start(args: list[str], log: Path, chaos: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    full_env = dict(os.environ if env is None else env)
+    full_env.pop("BATCHINFER_CHAOS", None)
+    if chaos:
+        full_env["BATCHINFER_CHAOS"] = chaos
+    return subprocess.Popen(args, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=full_env, cwd=Path(__file__).resolve().parents[1])
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -9
+
+
+def count(scenario: str, expected: list[str], out_url: str, outcome: str, options: dict | None = None) -> Outcome:
+    """Ids in every committed part of the output, against the input's ids."""
+    out = OutputDir(Storage(out_url, options or {}), "parquet")
+    got: Counter = Counter()
+    for key in out.done_keys():
+        got.update(out.read_part(key)["id"].to_pylist())
+    return Outcome(scenario, len(expected), sum(got.values()), sum(n - 1 for n in got.values() if n > 1),
+                   len(set(expected) - set(got)), outcome)
+
+
+def two_attempts(name: str, work: Path, chaos: str | None = None, kill_after_parts: int = 0,
+                 inp: str | None = None, out: str | None = None, env: dict | None = None,
+                 extra: tuple[str, ...] = ()) -> Outcome:
+    """First attempt with the fault; a clean rerun if it did not complete."""
+    expected = make_input(work)
+    inp = inp or str(work / "in")
+    out = out or str(work / "out")
+    log = work / "job.log"
+    started = time.time()
+    proc = start(job_args(inp, out, *extra), log, chaos, env)
+    if kill_after_parts:
+        data = Path(out) / "data"
+        while proc.poll() is None and len(list(data.glob("part-*")) if data.exists() else []) < kill_after_parts:
+            time.sleep(0.1)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    code = finish(proc)
+    first = f"first run exit {code} after {time.time() - started:.0f}s"
+    if code == 0:
+        return count(name, expected, out, f"{first} -> completed")
+    code = finish(start(job_args(inp, out, *extra), log, None, env))
+    return count(name, expected, out, f"{first} -> rerun {'completed' if code == 0 else f'exit {code}'}")
+
+
+def scenarios(work: Path) -> dict:
+    once = str(work / "once")
+    return {
+        "driver SIGKILL while listing": lambda: two_attempts("driver SIGKILL while listing", work / "a",
+                                                             chaos="listed:kill"),
+        "driver SIGKILL mid-generation": lambda: two_attempts("driver SIGKILL mid-generation", work / "b",
+                                                              kill_after_parts=5),
+        "driver SIGKILL before the manifest": lambda: two_attempts(
+            "driver SIGKILL before the manifest", work / "c", chaos="generated:kill"),
+        "driver SIGKILL before _SUCCESS": lambda: two_attempts("driver SIGKILL before _SUCCESS", work / "d",
+                                                               chaos="manifest:kill"),
+        "actor os._exit mid-shard, once": lambda: two_attempts("actor os._exit mid-shard, once", work / "e",
+                                                               chaos=f"shard:exit:{once}-e"),
+        "actor constructor fails": lambda: two_attempts("actor constructor fails", work / "f",
+                                                        chaos="init:raise"),
+    }
+
+
+def print_table(outcomes: list[Outcome]) -> None:
+    print("| scenario | rows in | rows out | duplicates | lost | outcome |\n|---|---:|---:|---:|---:|---|")
+    for o in outcomes:
+        print(f"| {o.scenario} | {o.rows_in} | {o.rows_out} | {o.duplicates} | {o.lost} | {o.outcome} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="scenarios to run (default: all)")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="batchinfer-chaos-"))
+    table = scenarios(work)
+    chosen = args.names or list(table)
+    outcomes = []
+    for name in chosen:
+        print(f"running: {name}", file=sys.stderr, flush=True)
+        outcomes.append(table[name]())
+    if args.json:
+        print(json.dumps([asdict(o) | {"ok": o.ok} for o in outcomes], indent=1))
+    else:
+        print_table(outcomes)
+    sys.exit(0 if all(o.ok for o in outcomes) else 1)
+
+
+if __name__ == "__main__":
+    main()

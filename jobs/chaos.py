@@ -10,15 +10,20 @@ outcome. A scenario passes when every input id is committed exactly once.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from pipeline.sink import OutputDir
@@ -115,6 +120,131 @@ def two_attempts(name: str, work: Path, chaos: str | None = None, kill_after_par
     return count(name, expected, out, f"{first} -> rerun {'completed' if code == 0 else f'exit {code}'}")
 
 
+class FlakyProxy(ThreadingHTTPServer):
+    """An HTTP proxy in front of an S3 endpoint that answers every `every`-th request of each
+    method with 503 SlowDown (S3's throttling error) instead of forwarding it."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str, every: int = 4):
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.every = every
+        self.seen: Counter = Counter()
+        self.failed: Counter = Counter()
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def should_fail(self, method: str) -> bool:
+        with self.lock:
+            self.seen[method] += 1
+            fail = self.seen[method] % self.every == 0
+            if fail:
+                self.failed[method] += 1
+            return fail
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            data = b""
+            while True:
+                size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return data
+                data += self.rfile.read(size)
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _handle(self) -> None:
+        body = self._body()
+        if self.server.should_fail(self.command):
+            error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                     b"<Message>Please reduce your request rate.</Message></Error>")
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error if self.command != "HEAD" else b"")
+            return
+        conn = http.client.HTTPConnection(*self.server.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "expect")}
+        headers["Content-Length"] = str(len(body))
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                self.send_header(k, v)
+        # HEAD answers carry the object's length, not the (empty) body's.
+        length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+
+@contextmanager
+def s3_server():
+    """A moto S3 server on loopback with test credentials in the environment."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def s3_throttling(work: Path, every: int = 4) -> Outcome:
+    """Input and output on S3 behind a proxy that throttles every `every`-th request."""
+    import s3fs
+
+    name = f"object storage 503 on every {every}th request"
+    with s3_server() as endpoint:
+        proxy = FlakyProxy(endpoint, every)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+            fs.mkdir("chaos")
+            expected = make_input(work)
+            for f in (work / "in").iterdir():
+                fs.put_file(str(f), f"chaos/in/{f.name}")
+            opts = ["--set", f"input.storage_options={{endpoint_url: '{proxy.url}'}}",
+                    "--set", f"output.storage_options={{endpoint_url: '{proxy.url}'}}"]
+            env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+            code = finish(start(job_args("s3://chaos/in/", "s3://chaos/out/", *opts), work / "job.log", env=env))
+            injected = f"{sum(proxy.failed.values())} requests throttled ({dict(proxy.failed)})"
+            outcome = f"first run exit {code}, {injected} -> {'completed' if code == 0 else 'failed'}"
+            return count(name, expected, "s3://chaos/out/", outcome, {"endpoint_url": endpoint})
+        finally:
+            proxy.shutdown()
+
+
 def scenarios(work: Path) -> dict:
     once = str(work / "once")
     return {
@@ -130,6 +260,7 @@ def scenarios(work: Path) -> dict:
                                                                chaos=f"shard:exit:{once}-e"),
         "actor constructor fails": lambda: two_attempts("actor constructor fails", work / "f",
                                                         chaos="init:raise"),
+        "object storage throttling": lambda: s3_throttling(work / "g"),
     }
 
 

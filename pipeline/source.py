@@ -153,11 +153,15 @@ def read_shard(storage: Storage, shard: Shard) -> tuple[list[dict], list[str], l
     if shard.format == "parquet":
         with storage.fs.open(shard.file, "rb") as f:
             table = _parquet_slice(pq.ParquetFile(f), shard.start, shard.stop)
+        if table.num_rows != shard.stop - shard.start:
+            raise OSError(f"short read of {shard.name}: {table.num_rows} of {shard.stop - shard.start} rows")
         rows = table.to_pylist()
         return rows, [f"{shard.name}:{shard.start + i}" for i in range(len(rows))], [None] * len(rows)
     with storage.fs.open(shard.file, "rb") as f:
         f.seek(shard.byte_start)
         data = f.read(shard.byte_stop - shard.byte_start)
+    if len(data) != shard.byte_stop - shard.byte_start:  # never commit a silently truncated shard
+        raise OSError(f"short read of {shard.name}: {len(data)} of {shard.byte_stop - shard.byte_start} bytes")
     rows, ids, errors = [], [], []
     for i, raw in enumerate(data.split(b"\n")[: shard.stop - shard.start]):
         if not raw.strip():

@@ -1,12 +1,17 @@
 """Paths on any fsspec filesystem, with atomic writes: an object is either whole or absent."""
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
+import random
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import fsspec
+
+log = logging.getLogger(__name__)
 
 SECRET_KEYS = ("key", "secret", "token", "password", "credential", "session")
 
@@ -76,6 +81,23 @@ class Storage:
         for p in stale:
             self.fs.rm(p)
         return len(stale)
+
+
+def with_retries(fn, what: str, attempts: int = 5, first_delay: float = 0.5):
+    """Calls fn(); on OSError (throttling, 5xx, short reads, dropped connections) retries with
+    exponential backoff and jitter, then re-raises naming `what`."""
+    delay = first_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if attempt == attempts:
+                raise OSError(f"{what} failed after {attempts} attempts: {exc}") from exc
+            log.warning("%s failed (attempt %d of %d), retrying in %.1fs: %s", what, attempt, attempts, delay, exc)
+            time.sleep(delay * (0.5 + random.random()))
+            delay *= 2
 
 
 def _protocols(fs) -> tuple[str, ...]:

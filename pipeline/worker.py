@@ -14,7 +14,7 @@ from pipeline import chaos
 from pipeline.prompts import PromptBuilder
 from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
 from pipeline.source import Shard, read_shard
-from pipeline.storage import Storage
+from pipeline.storage import Storage, with_retries
 
 OUTPUT_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
 
@@ -73,7 +73,7 @@ class ShardWorker:
 
     def process(self, shard: Shard) -> dict:
         started = time.perf_counter()
-        rows, ids, errors = read_shard(self.input, shard)
+        rows, ids, errors = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
         prompts, todo = [], []
@@ -94,7 +94,7 @@ class ShardWorker:
                        seconds=time.perf_counter() - started, worker=self.worker_id,
                        part=self.output.storage.uri(self.output.part_path(shard.key)))
         chaos.point("shard")
-        self.output.commit(shard.key, table, summary)
+        with_retries(lambda: self.output.commit(shard.key, table, summary), f"committing shard {shard.key}")
         return {k: summary[k] for k in ("shard", *SUMMARY_FIELDS, "seconds", "worker", "part", "error_samples")}
 
     def _bad_lines(self, rows, ids, errors):

@@ -1,0 +1,111 @@
+"""Storage: atomic writes (no partial object ever visible), retries, redaction, short reads."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline import source
+from pipeline.sink import OutputDir
+from pipeline.source import Shard, read_shard
+from pipeline.storage import Storage, redact, with_retries
+
+WRITER = """
+import os, sys, time
+from pipeline.storage import Storage
+storage = Storage(sys.argv[1], {"endpoint_url": sys.argv[3]} if len(sys.argv) > 3 else {})
+data = b"x" * int(sys.argv[2])
+real_replace = os.replace
+os.replace = lambda *a: (time.sleep(30), real_replace(*a))  # local: die with the bytes written, not renamed
+print("writing", flush=True)
+storage.write_atomic(storage.path("data", "part-x.parquet"), data)
+print("written", flush=True)
+"""
+
+
+def kill_mid_write(url: str, size: int, *extra: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, url, str(size), *extra], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    time.sleep(0.3)
+    assert proc.poll() is None, "the write finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_local_writer_killed_mid_write_leaves_no_part(tmp_path):
+    kill_mid_write(str(tmp_path), 64 << 20)
+    out = OutputDir(Storage(str(tmp_path)), "parquet")
+    assert not (tmp_path / "data" / "part-x.parquet").exists()
+    assert [p.name.startswith(".tmp-") for p in (tmp_path / "data").iterdir()] == [True]
+    assert out.done_keys() == set()
+    assert out.storage.remove_temporaries(out.storage.path("data")) == 1
+    assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_an_s3_writer_killed_mid_upload_leaves_no_object(s3_server):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("upload-kill")
+    kill_mid_write("s3://upload-kill/out", 400 << 20, s3_server)
+    fs.invalidate_cache()
+    assert not fs.exists("upload-kill/out/data/part-x.parquet")
+    out = OutputDir(Storage("s3://upload-kill/out", {"endpoint_url": s3_server}), "parquet")
+    assert out.done_keys() == set()
+
+
+def test_retries_transient_errors_then_gives_up_naming_the_operation(monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("503 SlowDown")
+        return "ok"
+
+    assert with_retries(flaky, "reading x") == "ok" and len(calls) == 3
+    with pytest.raises(OSError, match="committing y failed after 5 attempts: boom"):
+        with_retries(lambda: (_ for _ in ()).throw(OSError("boom")), "committing y")
+    with pytest.raises(FileNotFoundError):
+        with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), "reading z")
+
+
+def test_a_short_read_is_an_error_not_an_empty_shard(tmp_path, monkeypatch):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    storage = Storage(str(tmp_path))
+    shard = next(source.plan_shards(storage, source.list_inputs(storage, "auto"), 10))
+    real_open = storage.fs.open
+
+    class Truncating:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def seek(self, n):
+            self.f.seek(n)
+
+        def read(self, n):
+            return self.f.read(n)[: n // 2]
+
+    monkeypatch.setattr(storage.fs, "open", lambda *a, **k: Truncating(real_open(*a, **k)))
+    with pytest.raises(OSError, match="short read of a.jsonl"):
+        read_shard(storage, shard)
+    assert isinstance(shard, Shard)
+
+
+def test_redact_hides_secret_looking_options():
+    opts = {"endpoint_url": "http://x", "key": "AKIA", "secret": "s3cr3t", "client_kwargs": {"aws_session_token": "t"},
+            "token": None}
+    assert redact(opts) == {"endpoint_url": "http://x", "key": "***", "secret": "***",
+                            "client_kwargs": {"aws_session_token": "***"}, "token": None}

@@ -245,6 +245,92 @@ def s3_throttling(work: Path, every: int = 4) -> Outcome:
             proxy.shutdown()
 
 
+def node_loss(work: Path, replacement: bool, while_listing: bool = False) -> Outcome:
+    """A local two-node cluster (ray.cluster_utils.Cluster): the actors start on the worker node,
+    which is removed mid-job (or while the driver lists inputs); with `replacement` a new node
+    joins, without it the actors move to the head. The driver runs in this process."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from jobs.spec import load_spec
+    from pipeline.runner import run_job
+
+    name = (f"worker node removed {'while listing' if while_listing else 'mid-job'}, "
+            f"{'with' if replacement else 'no'} replacement")
+    expected = make_input(work)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    events = []
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        head_id = ray.get_runtime_context().get_node_id()
+        # Fill the head so the engine actors are placed on the worker node first.
+        blocker = _Blocker.options(num_cpus=2, scheduling_strategy=ray.util.scheduling_strategies
+                                   .NodeAffinitySchedulingStrategy(head_id, soft=False)).remote()
+        ray.get(blocker.ready.remote())
+        spec = load_spec(None, [f"workers.rows_per_batch={ROWS_PER_SHARD}", "sampling.max_tokens=24",
+                                "sampling.ignore_eos=true", "workers.num=2", "workers.cpus=1"],
+                         input=str(work / "in"), output=str(work / "out"))
+        data = spec.model_dump(mode="json") | {"fingerprint": spec.fingerprint()}
+        victim = cluster.list_all_nodes()[1]
+
+        result: dict = {}
+
+        def drive():  # the driver runs in a thread: Cluster.add_node must run in the main thread
+            try:
+                result["status"] = run_job(data, progress=lambda m: None).status
+            except Exception as exc:  # noqa: BLE001  (reported in the table)
+                result["error"] = str(exc)
+
+        if while_listing:
+            os.environ["BATCHINFER_CHAOS"] = "listed:sleep=4"
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        parts = work / "out" / "data"
+        if while_listing:
+            time.sleep(1.5)
+        else:
+            while driver.is_alive() and len(list(parts.glob("part-*")) if parts.exists() else []) < 4:
+                time.sleep(0.1)
+        cluster.remove_node(victim)
+        events.append("worker node removed")
+        if replacement:
+            cluster.add_node(num_cpus=2)
+            events.append("replacement added")
+        else:
+            ray.kill(blocker)
+            events.append("head freed")
+        driver.join(timeout=600)
+        os.environ.pop("BATCHINFER_CHAOS", None)
+        if "status" in result:
+            outcome = f"{result['status']} after {', '.join(events)} -> completed"
+        else:
+            outcome = f"failed after {', '.join(events)}: {result.get('error', 'timed out')}"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return count(name, expected, str(work / "out"), outcome)
+
+
+def _blocker_class():
+    import ray
+
+    @ray.remote
+    class Blocker:
+        def ready(self) -> bool:
+            return True
+
+    return Blocker
+
+
+class _LazyBlocker:
+    def options(self, **kw):
+        return _blocker_class().options(**kw)
+
+
+_Blocker = _LazyBlocker()
+
+
 def scenarios(work: Path) -> dict:
     once = str(work / "once")
     return {
@@ -261,6 +347,9 @@ def scenarios(work: Path) -> dict:
         "actor constructor fails": lambda: two_attempts("actor constructor fails", work / "f",
                                                         chaos="init:raise"),
         "object storage throttling": lambda: s3_throttling(work / "g"),
+        "node removed mid-job, replaced": lambda: node_loss(work / "h", replacement=True),
+        "node removed mid-job, not replaced": lambda: node_loss(work / "i", replacement=False),
+        "node removed while listing": lambda: node_loss(work / "j", replacement=True, while_listing=True),
     }
 
 

@@ -55,12 +55,16 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
     """Runs a validated spec; prints the summary; returns the exit code."""
     from pipeline.runner import JobError, run_job
 
+    from pipeline.storage import scrub, secret_values
+
     data = spec.model_dump(mode="json")
     data["fingerprint"] = spec.fingerprint()
+    secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(data, overwrite=overwrite, address=address)
+        result = run_job(data, overwrite=overwrite, address=address,
+                         progress=lambda msg: click.echo(scrub(msg, secrets), err=True))
     except JobError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
         return EXIT_FAILED
     if result.status == "nothing_to_do":
         click.echo(f"nothing to do: {result.output} is already complete ({result.rows} rows); "
@@ -72,7 +76,7 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
         click.echo(f"error: {result.errors} of {result.rows} rows failed ({rate:.2%} > max_error_rate "
                    f"{spec.max_error_rate}); first causes:", err=True)
         for cause in result.error_samples[:5]:
-            click.echo(f"  - {cause}", err=True)
+            click.echo(f"  - {scrub(cause, secrets)}", err=True)
         return EXIT_ERROR_RATE
     return EXIT_OK
 

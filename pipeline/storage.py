@@ -116,6 +116,28 @@ def _fs_options(url: str, options: dict) -> dict:
     return opts
 
 
+def secret_values(*option_sets: dict) -> list[str]:
+    """Secret-looking values of storage options and of the AWS environment, to scrub from text."""
+    found = [v for k, v in os.environ.items() if k.startswith("AWS_") and any(s in k.lower() for s in SECRET_KEYS)]
+
+    def walk(opts):
+        for k, v in opts.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif isinstance(v, str) and any(s in str(k).lower() for s in SECRET_KEYS):
+                found.append(v)
+
+    for opts in option_sets:
+        walk(opts or {})
+    return sorted({v for v in found if len(v) >= 4}, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "***")
+    return text
+
+
 def redact(value):
     """A copy of `value` with secret-looking option values replaced by '***'."""
     if isinstance(value, dict):

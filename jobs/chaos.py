@@ -265,7 +265,7 @@ def node_loss(work: Path, replacement: bool, while_listing: bool = False) -> Out
         ray.init(address=cluster.address, logging_level="ERROR")
         head_id = ray.get_runtime_context().get_node_id()
         # Fill the head so the engine actors are placed on the worker node first.
-        blocker = _Blocker.options(num_cpus=2, scheduling_strategy=ray.util.scheduling_strategies
+        blocker = ray.remote(_Blocker).options(num_cpus=2, scheduling_strategy=ray.util.scheduling_strategies
                                    .NodeAffinitySchedulingStrategy(head_id, soft=False)).remote()
         ray.get(blocker.ready.remote())
         spec = load_spec(None, [f"workers.rows_per_batch={ROWS_PER_SHARD}", "sampling.max_tokens=24",
@@ -312,23 +312,11 @@ def node_loss(work: Path, replacement: bool, while_listing: bool = False) -> Out
     return count(name, expected, str(work / "out"), outcome)
 
 
-def _blocker_class():
-    import ray
+class _Blocker:
+    """Holds the head node's CPUs (as a Ray actor) so the engine actors start elsewhere."""
 
-    @ray.remote
-    class Blocker:
-        def ready(self) -> bool:
-            return True
-
-    return Blocker
-
-
-class _LazyBlocker:
-    def options(self, **kw):
-        return _blocker_class().options(**kw)
-
-
-_Blocker = _LazyBlocker()
+    def ready(self) -> bool:
+        return True
 
 
 def scenarios(work: Path) -> dict:
@@ -363,7 +351,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="scenarios to run (default: all)")
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the outcomes as JSON instead of a table")
+    ap.add_argument("--report", type=Path, help="also write the outcomes as JSON to this file")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="batchinfer-chaos-"))
     table = scenarios(work)
@@ -372,11 +361,18 @@ def main() -> None:
     for name in chosen:
         print(f"running: {name}", file=sys.stderr, flush=True)
         outcomes.append(table[name]())
+    data = [asdict(o) | {"ok": o.ok} for o in outcomes]
+    if args.report:
+        args.report.write_text(json.dumps(data, indent=1))
     if args.json:
-        print(json.dumps([asdict(o) | {"ok": o.ok} for o in outcomes], indent=1))
+        print(json.dumps(data, indent=1))
     else:
         print_table(outcomes)
-    sys.exit(0 if all(o.ok for o in outcomes) else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: with fsspec and pyarrow loaded it can abort in a C++ destructor
+    # ("terminate called without an active exception") after all the work is done.
+    os._exit(0 if all(o.ok for o in outcomes) else 1)
 
 
 if __name__ == "__main__":

@@ -293,8 +293,7 @@ def _shard_ids(batch: dict, spec: dict) -> dict:
     storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
     column = spec["input"]["id_column"]
     ids = []
-    for i in range(len(batch["file"])):
-        shard = Shard(**{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in batch.items()})
+    for shard in Shard.from_batch(batch):
         rows, _, _ = read_shard(storage, shard)
         ids += [str(r[column]) for r in rows if r.get(column) is not None]
     return {"id": ids}

@@ -52,6 +52,14 @@ class Shard:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_batch(cls, batch: dict) -> list["Shard"]:
+        """Shards from a Ray Data batch of `to_dict()` rows (numpy columns)."""
+        def plain(value):
+            return value.item() if hasattr(value, "item") else value
+
+        return [cls(**{k: plain(v[i]) for k, v in batch.items()}) for i in range(len(batch["file"]))]
+
 
 def file_format(path: str, declared: str) -> str | None:
     if declared != "auto":

@@ -66,9 +66,7 @@ class ShardWorker:
     def __call__(self, batch: dict) -> dict:
         if self.setup_error:
             raise FatalShardError(self.setup_error)
-        keys = list(batch)
-        shards = [Shard(**{k: _plain(batch[k][i]) for k in keys}) for i in range(len(batch[keys[0]]))]
-        results = [self.process(shard) for shard in shards]
+        results = [self.process(shard) for shard in Shard.from_batch(batch)]
         return {k: [r[k] for r in results] for k in results[0]}
 
     def process(self, shard: Shard) -> dict:
@@ -169,7 +167,3 @@ def _column(values: list) -> pa.Array:
                          pa.string())
     return array.cast(pa.string()) if pa.types.is_null(array.type) else array
 
-
-def _plain(value):
-    """numpy scalars from a Ray batch -> Python values."""
-    return value.item() if hasattr(value, "item") else value

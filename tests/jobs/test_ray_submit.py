@@ -35,6 +35,9 @@ def cluster(tmp_path_factory, monkeypatch_module):
     which would also stop the test session's own Ray)."""
     temp = tmp_path_factory.mktemp("ray")
     port, dash, client_port = free_port(), free_port(), free_port()
+    # Every agent port explicit: the test session's own Ray already holds the defaults (52365, ...).
+    agent_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
     # The node's `python` is this environment's, as on a cluster image with batchinfer installed.
     env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
@@ -42,7 +45,7 @@ def cluster(tmp_path_factory, monkeypatch_module):
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
          "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp}", "--include-dashboard=true",
-         f"--ray-client-server-port={client_port}",
+         f"--ray-client-server-port={client_port}", *agent_ports,
          "--disable-usage-stats"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:

@@ -27,6 +27,8 @@ def test_defaults_come_from_the_engine_dataclasses():
     ("workers.num=many", "workers.num: Input should be a valid integer"),
     ("sampling.temperature=-1", "sampling.temperature: temperature must be >= 0.0"),
     ("sampling.top_p=2", "sampling.top_p"),
+    ("sampling.max_tokens=0", "sampling.max_tokens: max_tokens must be >= 1"),
+    ("sampling.max_tokens=-5", "sampling.max_tokens"),
     ("max_error_rate=1.5", "max_error_rate"),
     ("output.format=csv", "output.format"),
     ("bogus=1", "bogus: unknown key"),

@@ -84,7 +84,7 @@ def load_tokenizer(config: EngineConfig, model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
     except Exception as exc:  # transformers raises many types here
-        raise ModelLoadError(f"cannot load tokenizer from {tok_dir}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load tokenizer from {tok_dir}: {one_line(exc)}") from exc
 
 
 def load_model(config: EngineConfig, model_dir: Path, dtype, device):
@@ -99,10 +99,11 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device):
             model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
             use_safetensors=None if config.allow_pickle else True, **kwargs)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load model from {model_dir}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load model from {model_dir}: {one_line(exc)}") from exc
     return model.to(device).eval()
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for one-line error reports."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from engine import __version__
 from engine.config import EngineConfig
-from engine.loader import ModelLoadError, check_weights, load_tokenizer, resolve_model_dir
+from engine.loader import ModelLoadError, check_weights, load_tokenizer, one_line, resolve_model_dir
 from pipeline import chaos
 from pipeline.lock import LockHeld, RunLock
 from pipeline.prompts import PromptBuilder, TemplateError
 from pipeline.report import build_report, new_run, touch_run, write_run
 from pipeline.sink import SUMMARY_FIELDS, OutputDir
-from pipeline.source import InputError, list_inputs, plan_shards, read_schema_columns
+from pipeline.source import InputError, Shard, list_inputs, plan_shards, read_schema_columns, read_shard
 from pipeline.storage import Storage, redact
 from pipeline.worker import FatalShardError, ShardWorker, engine_config
 
@@ -78,7 +78,7 @@ def run_job(spec: dict, overwrite: bool = False, address: str | None = None, pro
     except LockHeld as exc:
         raise JobError(str(exc)) from None
     except OSError as exc:
-        raise JobError(f"cannot write to output {spec['output']['path']}: {_one_line(exc)}") from None
+        raise JobError(f"cannot write to output {spec['output']['path']}: {one_line(exc)}") from None
     try:
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
@@ -99,11 +99,9 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     in_storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
     chaos.point("listed")
     done = out.done_keys()
-    all_keys, pending = [], []
-    for shard in plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]):
-        all_keys.append(shard.key)
-        if shard.key not in done:
-            pending.append(shard)
+    shards = list(plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]))
+    all_keys = [s.key for s in shards]
+    pending = [s for s in shards if s.key not in done]
     progress(f"{len(all_keys)} shards planned, {len(all_keys) - len(pending)} already committed, "
              f"{len(pending)} to run")
     if record.get("shards_planned") != len(all_keys):
@@ -112,11 +110,7 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     if pending:
         if spec["input"]["id_column"] and not record.get("ids_unique"):
             progress("checking that id_column values are unique")
-            shards = pending if len(pending) == len(all_keys) else list(
-                plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]))
-            if sum(s.stop - s.start for s in shards) > LOCAL_ID_CHECK_ROWS:
-                ensure_ray(address)
-            _check_unique_ids(spec, shards)
+            _check_unique_ids(spec, shards, address)
             record["ids_unique"] = True
             out.write_json("_job.json", record)
         ensure_ray(address)
@@ -158,7 +152,7 @@ def preflight(spec: dict) -> list[tuple[str, str, str]]:
     except (InputError, TemplateError) as exc:
         raise JobError(str(exc)) from None
     except (OSError, ValueError, ImportError) as exc:
-        raise JobError(f"cannot read input {spec['input']['path']}: {_one_line(exc)}") from None
+        raise JobError(f"cannot read input {spec['input']['path']}: {one_line(exc)}") from None
     needed = builder.columns + ([spec["input"]["id_column"]] if spec["input"]["id_column"] else [])
     absent = [c for c in needed if c not in columns]
     if columns and absent:
@@ -193,7 +187,7 @@ def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool)
     except OutputConflict:
         raise
     except (OSError, PermissionError, ValueError) as exc:
-        raise JobError(f"cannot write to output {spec['output']['path']}: {_one_line(exc)}") from None
+        raise JobError(f"cannot write to output {spec['output']['path']}: {one_line(exc)}") from None
 
 
 # -- the Ray Data pipeline ----------------------------------------------------------------------
@@ -223,12 +217,13 @@ def _execute(spec: dict, shards: list, run: dict, progress) -> None:
     if detectors is not None:  # per-actor memory advice is noise for a model-sized actor
         detectors.high_memory_detector_config.detection_time_interval_s = -1
     workers = spec["workers"]
+    chaos_env = chaos.forwarded_env()
     ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
     ds = ds.map_batches(
         ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=workers["num"]),
         num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
-        runtime_env={"env_vars": chaos.forwarded_env()} if chaos.forwarded_env() else None,
+        runtime_env={"env_vars": chaos_env} if chaos_env else None,
     )
     t0, done = time.time(), 0
     try:
@@ -261,42 +256,42 @@ def _worker_cause(exc: BaseException) -> str:
         found = re.findall(r"^(\w+(?:Error|Exception): .+)$", str(item), flags=re.M)
         if found:
             return f"a worker failed: {found[-1].strip()}"
-    return f"a worker failed: {_one_line(chain[-1])}"
+    return f"a worker failed: {one_line(chain[-1])}"
 
 
-def _check_unique_ids(spec: dict, shards: list) -> None:
+def _check_unique_ids(spec: dict, shards: list, address: str | None) -> None:
     """Fails when id_column holds a value twice anywhere in the input. Small inputs are checked
     here; large ones as a Ray Data group-by, so no process ever holds every id."""
     column = spec["input"]["id_column"]
     if sum(s.stop - s.start for s in shards) <= LOCAL_ID_CHECK_ROWS:
         seen: set[str] = set()
         for shard in shards:
-            for value in _shard_ids({k: [v] for k, v in shard.to_dict().items()}, spec)["id"]:
+            for value in _ids_of(spec, shard):
                 if value in seen:
                     raise JobError(f"duplicate id {value!r} in column {column!r} (ids must be unique)")
                 seen.add(value)
         return
     import ray
-
-    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
-    ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     from ray.data.expressions import col
 
+    ensure_ray(address)
+    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
+    ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)
     if dup:
         raise JobError(f"duplicate id {dup[0]['id']!r} in column {column!r} (ids must be unique)")
 
 
 def _shard_ids(batch: dict, spec: dict) -> dict:
-    from pipeline.source import Shard, read_shard
+    """Ray Data stage: the id_column values of a batch of shards."""
+    return {"id": [value for shard in Shard.from_batch(batch) for value in _ids_of(spec, shard)]}
 
+
+def _ids_of(spec: dict, shard) -> list[str]:
     storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
     column = spec["input"]["id_column"]
-    ids = []
-    for shard in Shard.from_batch(batch):
-        rows, _, _ = read_shard(storage, shard)
-        ids += [str(r[column]) for r in rows if r.get(column) is not None]
-    return {"id": ids}
+    rows, _, _ = read_shard(storage, shard)
+    return [str(r[column]) for r in rows if r.get(column) is not None]
 
 
 # -- manifest -----------------------------------------------------------------------------------
@@ -348,7 +343,3 @@ def _result(status, out: OutputDir, manifest: dict, run: dict) -> JobResult:
 def _print_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

@@ -10,6 +10,7 @@ import time
 import pyarrow as pa
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loader import one_line
 from pipeline import chaos
 from pipeline.prompts import PromptBuilder
 from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
@@ -43,9 +44,7 @@ class ShardWorker:
         try:
             self._setup(spec)
         except Exception as exc:  # noqa: BLE001
-            text = str(exc).strip().splitlines()
-            self.setup_error = (f"worker setup failed on {socket.gethostname()}: {type(exc).__name__}: "
-                                f"{text[0] if text else ''}")
+            self.setup_error = f"worker setup failed on {socket.gethostname()}: {one_line(exc)}"
 
     def _setup(self, spec: dict) -> None:
         chaos.point("init")

@@ -23,6 +23,6 @@ def test_duplicates_across_shards_are_named(tmp_path, monkeypatch, distributed, 
     storage = Storage(str(tmp_path))
     shards = list(plan_shards(storage, list_inputs(storage, "auto"), 4))
     with pytest.raises(JobError, match="duplicate id 'r7' in column 'id'"):
-        _check_unique_ids(spec, shards)
+        _check_unique_ids(spec, shards, None)
     (tmp_path / "b.jsonl").write_text('{"id": "r99", "prompt": "fresh"}\n')
-    _check_unique_ids(spec, list(plan_shards(storage, list_inputs(storage, "auto"), 4)))
+    _check_unique_ids(spec, list(plan_shards(storage, list_inputs(storage, "auto"), 4)), None)

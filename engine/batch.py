@@ -1,163 +1,259 @@
-"""A static batch in flight: left-padded rows sharing one KV cache, progress kept as tensors."""
+"""The running batch: rows sharing one slot-addressed KV cache, progress kept as tensors.
+
+Rows join through a prefill (their prompts, right-padded, written into free slots) and leave as
+soon as they finish: the last live rows move into the freed slots, so live rows always occupy
+slots [0, n) and a decode step computes only live rows. Static scheduling fills the batch once
+and lets it drain; continuous scheduling refills freed slots at once.
+"""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from engine.kv_cache import KVCache
 from engine.outputs import BatchStats
 from engine.sampler import SamplingTensors
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer, find_stop
 
+# Per-row tensors, all aligned with self.seqs (first dimension = rows).
+ROW_TENSORS = ("prompt_lens", "max_tokens", "min_tokens", "steps", "lengths", "out", "stop_ids", "banned",
+               "output_counts", "seen")
+
 
 class Batch:
-    """Rows are left-padded to the longest prompt, so every row writes the same cache column
-    each step. Finished rows are dropped (the cache compacted) once they are worth the copy."""
+    """`rows_hint` slots are allocated on first use when the budget allows (continuous mode keeps
+    room to refill); the cache grows or narrows only when admitted rows need it."""
 
-    def __init__(self, seqs: list[Sequence], tokenizer: Tokenizer, runner):
-        self.seqs = seqs
+    def __init__(self, tokenizer: Tokenizer, runner, max_batch_tokens: int, rows_hint: int = 1):
         self.tokenizer = tokenizer
-        self.device = device = runner.device
-        self.max_position = runner.max_position_embeddings
-        vocab_size = runner.vocab_size
-        b = len(seqs)
-        plen = max(s.num_prompt_tokens for s in seqs)
-        mlen = max(s.params.max_tokens for s in seqs)
-        self.cache = runner.new_cache(plen + mlen)
-        self.stats = BatchStats(
-            rows=b, max_prompt_len=plen, max_new_tokens=mlen, reserved_tokens=b * (plen + mlen),
-            prompt_tokens=sum(s.num_prompt_tokens for s in seqs), padded_prompt_tokens=b * plen)
-        self.started = time.perf_counter()
-        self._all = list(seqs)
-
-        def col(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.prompt_lens = col([s.num_prompt_tokens for s in seqs])  # (B,)
-        self.max_tokens = col([s.params.max_tokens for s in seqs])  # (B,)
-        self.min_tokens = col([s.params.min_tokens for s in seqs])  # (B,)
-        self.steps = torch.zeros(b, dtype=torch.int64, device=device)  # (B,) tokens generated
-        self.alive = torch.ones(b, dtype=torch.bool, device=device)  # (B,)
-        self.out = torch.full((b, mlen), tokenizer.pad_token_id, dtype=torch.int64, device=device)  # (B, M)
-        self.mask = torch.zeros((b, plen + mlen), dtype=torch.int64, device=device)  # (B, P + M)
-        self.stop_ids = self._stop_ids(seqs)  # (B, K), -1 = no id
-        self.sampling = SamplingTensors.from_sequences(seqs, device)
-        self.length = 0  # cache columns filled
-        self.decoded_steps = 0  # decode forward passes run
-        self._text_rows = [i for i, s in enumerate(seqs) if s.params.stop]
-        self._logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        self.banned = self._banned(vocab_size) if bool((self.min_tokens > 0).any()) else None
-        self.output_counts = self.seen = None
-        if self.sampling.needs_penalties:
-            self.output_counts = torch.zeros((b, vocab_size), dtype=torch.float32, device=device)
-            self.seen = torch.zeros((b, vocab_size), dtype=torch.bool, device=device)
-            for i, s in enumerate(seqs):
-                self.seen[i, torch.tensor(s.prompt_token_ids, device=device)] = True
-
-    # -- inputs -------------------------------------------------------------------------------
-
-    def prefill_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask, position_ids), each (B, P): prompts, left-padded."""
-        plen = self.stats.max_prompt_len
-        ids = torch.full((len(self.seqs), plen), self.tokenizer.pad_token_id, dtype=torch.int64)
-        for i, s in enumerate(self.seqs):
-            ids[i, plen - s.num_prompt_tokens:] = torch.tensor(s.prompt_token_ids)
-        cols = torch.arange(plen, device=self.device)[None, :]
-        real = cols >= (plen - self.prompt_lens)[:, None]  # (B, P)
-        self.mask[:, :plen] = real.long()
-        positions = (cols - (plen - self.prompt_lens)[:, None]).clamp(min=0)
-        self.length = plen
-        return ids.to(self.device), self.mask[:, :plen], positions
-
-    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(last tokens (B, 1), attention_mask (B, filled + 1), positions (B, 1))."""
-        last = self.out.gather(1, (self.steps - 1).clamp(min=0)[:, None])
-        self.mask[:, self.length] = 1
-        self.length += 1
-        self.decoded_steps += 1
-        positions = self.prompt_lens + self.decoded_steps - 1
-        if self.max_position:  # finished rows kept until compaction may run past the table
-            positions = positions.clamp(max=self.max_position - 1)
-        return last, self.mask[:, : self.length], positions[:, None]
-
-    # -- progress -----------------------------------------------------------------------------
-
-    def record(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> list[Sequence]:
-        """Stores each live row's new token; returns the sequences that finished with it."""
-        was_alive = self.alive.clone()
-        rows = was_alive.nonzero().squeeze(1)
-        self.out[rows, self.steps[rows]] = tokens[rows]
-        self.steps += self.alive.long()
-        self.stats.computed_rows += len(self.seqs) if self.decoded_steps else 0
-        if self.output_counts is not None:
-            self.output_counts[rows, tokens[rows]] += 1
-            self.seen[rows, tokens[rows]] = True
-        if logprobs is not None:
-            self._record_logprobs(tokens, logprobs, was_alive)
-        hit_stop_id = (tokens[:, None] == self.stop_ids).any(dim=1) & self.alive
-        hit_length = (self.steps >= self.max_tokens) & self.alive
-        done = hit_stop_id | hit_length
-        stop_texts = self._check_stop_strings(was_alive)
-        finished = []
-        for i in (done.nonzero().squeeze(1).tolist() + list(stop_texts)):
-            seq = self.seqs[i]
-            if seq.is_finished:
-                continue
-            n = int(self.steps[i])
-            seq.output_token_ids = self.out[i, :n].tolist()
-            if i in stop_texts:
-                at, stop = stop_texts[i]
-                text = self.tokenizer.decode(seq.output_token_ids)
-                seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
-                seq.finish("stop", stop)
-            elif bool(hit_stop_id[i]):
-                last = seq.output_token_ids[-1]
-                kept = seq.output_token_ids if last in self.tokenizer.eos_token_ids else seq.output_token_ids[:-1]
-                seq.text = self.tokenizer.decode(kept)
-                seq.finish("stop", None if last in self.tokenizer.eos_token_ids else last)
-            else:
-                seq.text = self.tokenizer.decode(seq.output_token_ids)
-                seq.finish("length")
-            self.alive[i] = False
-            finished.append(seq)
-        return finished
-
-    def banned_now(self) -> torch.Tensor | None:
-        """(B, V) tokens a row may not pick yet: its stop tokens before min_tokens."""
-        if self.banned is None:
-            return None
-        return self.banned & (self.steps < self.min_tokens)[:, None]
+        self.runner = runner
+        self.device = runner.device
+        self.vocab_size = runner.vocab_size
+        self.max_batch_tokens = max_batch_tokens
+        self.rows_hint = rows_hint
+        self.cache: KVCache | None = None
+        self.seqs: list[Sequence] = []
+        self._widths: list[int] = []  # prompt + max_tokens of each row: the columns it may fill
+        self.sampling: SamplingTensors | None = None
+        for name in ROW_TENSORS:
+            setattr(self, name, None)
+        self.stats: BatchStats | None = None
+        self.started = 0.0
+        self._text_rows: list[int] = []
+        self._logprob_rows: list[int] = []
+        self._needs_penalties = False
+        self._all: list[Sequence] = []  # every row that joined, for the statistics
 
     @property
-    def done(self) -> bool:
-        return not bool(self.alive.any())
+    def num_rows(self) -> int:
+        return len(self.seqs)
 
-    def maybe_compact(self) -> None:
-        """Drops finished rows once they are at least 1/8 of the batch (the copy then pays off)."""
-        dead = len(self.seqs) - int(self.alive.sum())
-        if dead == 0 or dead * 8 < len(self.seqs) or self.done:
+    @property
+    def widest(self) -> int:
+        """Columns the widest live row may fill (0 when empty)."""
+        return max(self._widths, default=0)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+    # -- joining ------------------------------------------------------------------------------
+
+    def prefill_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
+        """Adds `seqs` as rows [n, n + k) and returns their prefill inputs:
+        (input_ids, attention_mask, position_ids) each (k, P), right-padded, and last (k, 1): the
+        column of each row's last prompt token, whose logits pick its first token."""
+        n, k = self.num_rows, len(seqs)
+        plen = max(s.num_prompt_tokens for s in seqs)
+        self._reserve(n + k, max(self.widest, *(s.max_len for s in seqs)))
+        if self.stats is None:
+            self.stats = BatchStats(rows=0, max_prompt_len=0, max_new_tokens=0, reserved_tokens=0,
+                                    prompt_tokens=0, padded_prompt_tokens=0)
+            self.started = time.perf_counter()
+        st = self.stats
+        st.rows += k
+        st.peak_rows = max(st.peak_rows, n + k)
+        st.max_prompt_len = max(st.max_prompt_len, plen)
+        st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in seqs))
+        st.reserved_tokens = max(st.reserved_tokens, self.cache.tokens)
+        st.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
+        st.padded_prompt_tokens += k * plen
+        st.prefill_steps += 1
+        self._all.extend(seqs)
+        self._append_rows(seqs)
+        lens = self.prompt_lens[n:]
+        ids = torch.full((k, plen), self.tokenizer.pad_token_id, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            ids[i, : s.num_prompt_tokens] = torch.tensor(s.prompt_token_ids)
+        cols = torch.arange(plen, device=self.device)[None, :].repeat(k, 1)
+        mask = (cols < lens[:, None]).long()
+        self.lengths[n:] = lens
+        self.cache.prefill(n)
+        return ids.to(self.device), mask, cols, (lens - 1)[:, None]
+
+    def _reserve(self, rows: int, width: int) -> None:
+        """Makes room for `rows` rows of `width` columns, keeping the live rows."""
+        cache = self.cache
+        if cache is not None and cache.rows >= rows and cache.width >= width:
             return
-        keep = self.alive.nonzero().squeeze(1)
-        self.cache.select_rows(keep)
-        for name in ("prompt_lens", "max_tokens", "min_tokens", "steps", "alive", "out", "mask", "stop_ids",
-                     "banned", "output_counts", "seen"):
+        spare = max(rows, min(self.rows_hint, self.max_batch_tokens // width))
+        if cache is None:
+            self.cache = KVCache(self.runner.num_layers, spare, width)
+        else:
+            cache.resize(spare, width, keep_rows=self.num_rows, keep_width=int(self.lengths.max()) if self.seqs else 0)
+            self.stats.resizes += 1
+
+    def _append_rows(self, seqs: list[Sequence]) -> None:
+        d = self.device
+
+        def col(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=d)
+
+        k = len(seqs)
+        new = {
+            "prompt_lens": col([s.num_prompt_tokens for s in seqs]),
+            "max_tokens": col([s.params.max_tokens for s in seqs]),
+            "min_tokens": col([s.params.min_tokens for s in seqs]),
+            "steps": torch.zeros(k, dtype=torch.int64, device=d),
+            "lengths": torch.zeros(k, dtype=torch.int64, device=d),
+            "out": torch.full((k, max(s.params.max_tokens for s in seqs)), self.tokenizer.pad_token_id,
+                              dtype=torch.int64, device=d),
+            "stop_ids": self._stop_ids(seqs),
+        }
+        for name, value in new.items():
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else _cat_padded(old, value, pad=-1 if name == "stop_ids"
+                                                                     else self.tokenizer.pad_token_id))
+        sampling = SamplingTensors.from_sequences(seqs, d)
+        self.sampling = sampling if self.sampling is None else self.sampling.cat(sampling)
+        self.seqs = self.seqs + list(seqs)
+        self._widths += [s.max_len for s in seqs]
+        self._sync_optional_state(seqs)
+
+    def _sync_optional_state(self, new: list[Sequence]) -> None:
+        """Penalty and min_tokens tables exist only while some row needs them."""
+        n, k = self.num_rows, len(new)
+        v = self.vocab_size
+        if self._needs_penalties or self.sampling.needs_penalties:
+            if self.output_counts is None:
+                self.output_counts = torch.zeros((n - k, v), dtype=torch.float32, device=self.device)
+                self.seen = torch.zeros((n - k, v), dtype=torch.bool, device=self.device)
+                for i, s in enumerate(self.seqs[: n - k]):  # rows already running: prompt + output so far
+                    self.seen[i, torch.tensor(s.prompt_token_ids + self.out[i, : int(self.steps[i])].tolist(),
+                                              device=self.device)] = True
+                    self.output_counts[i].index_add_(0, self.out[i, : int(self.steps[i])],
+                                                     torch.ones(int(self.steps[i]), device=self.device))
+            seen = torch.zeros((k, v), dtype=torch.bool, device=self.device)
+            for i, s in enumerate(new):
+                seen[i, torch.tensor(s.prompt_token_ids, device=self.device)] = True
+            self.output_counts = torch.cat([self.output_counts, torch.zeros((k, v), device=self.device)])
+            self.seen = torch.cat([self.seen, seen])
+            self._needs_penalties = True
+        if bool((self.min_tokens > 0).any()):
+            self.banned = self._banned_table(self.stop_ids)
+        else:
+            self.banned = None
+        self._text_rows = [i for i, s in enumerate(self.seqs) if s.params.stop]
+        self._logprob_rows = [i for i, s in enumerate(self.seqs) if s.params.logprobs is not None]
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(last tokens (n, 1), attention_mask (n, width), positions (n, 1)): each row feeds its
+        last token at its own length."""
+        last = self.out.gather(1, (self.steps - 1)[:, None])
+        width = int(self.lengths.max()) + 1
+        mask = (torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]).long()
+        self.cache.decode(self.lengths, width)
+        self.stats.decode_steps += 1
+        self.stats.computed_rows += self.num_rows
+        return last, mask, self.lengths[:, None]
+
+    def sampler_inputs(self, rows: slice) -> dict:
+        """The sampler's per-row inputs for `rows`."""
+        idx = torch.arange(self.num_rows, device=self.device)[rows]
+        banned = None
+        if self.banned is not None:
+            banned = self.banned[rows] & (self.steps[rows] < self.min_tokens[rows])[:, None]
+        return {"st": self.sampling.select(idx), "steps": self.steps[rows],
+                "output_counts": None if self.output_counts is None else self.output_counts[rows],
+                "seen": None if self.seen is None else self.seen[rows], "banned": banned}
+
+    def record(self, rows: slice, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> list[Sequence]:
+        """Stores the new token of each row in `rows` (a prefill group, or all rows after a
+        decode); finished rows leave the batch. Returns the sequences that finished."""
+        idx = torch.arange(self.num_rows, device=self.device)[rows]
+        self.out[idx, self.steps[idx]] = tokens
+        self.steps[idx] += 1
+        if rows == slice(None):
+            self.lengths += 1  # the decoded token is now in the cache
+        if self.output_counts is not None:
+            self.output_counts[idx, tokens] += 1
+            self.seen[idx, tokens] = True
+        if logprobs is not None:
+            self._record_logprobs(idx, tokens, logprobs)
+        hit_stop_id = (tokens[:, None] == self.stop_ids[idx]).any(dim=1)
+        hit_length = self.steps[idx] >= self.max_tokens[idx]
+        first = idx[0].item() if len(idx) else 0
+        stop_texts = self._check_stop_strings([i for i in self._text_rows if first <= i < first + len(idx)])
+        finished_rows = sorted(set((idx[hit_stop_id | hit_length]).tolist()) | set(stop_texts))
+        finished = []
+        for i in finished_rows:
+            seq = self.seqs[i]
+            out = self.out[i, : int(self.steps[i])].tolist()
+            seq.output_token_ids = out
+            if i in stop_texts:
+                at, stop = stop_texts[i]
+                text = self.tokenizer.decode(out)
+                seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+                seq.finish("stop", stop)
+            elif out[-1] in self._stop_set(i):
+                last = out[-1]
+                eos = last in self.tokenizer.eos_token_ids
+                seq.text = self.tokenizer.decode(out if eos else out[:-1])
+                seq.finish("stop", None if eos else last)
+            else:
+                seq.text = self.tokenizer.decode(out)
+                seq.finish("length")
+            finished.append(seq)
+        if finished_rows:
+            self._remove(finished_rows)
+        return finished
+
+    def _stop_set(self, row: int) -> set[int]:
+        return {t for t in self.stop_ids[row].tolist() if t >= 0}
+
+    def _remove(self, dead: list[int]) -> None:
+        """Drops rows `dead`: live rows from the end move into the holes, so live rows stay [0, m)."""
+        n = self.num_rows
+        dead_set = set(dead)
+        m = n - len(dead)
+        holes = [i for i in dead if i < m]
+        movers = [i for i in range(m, n) if i not in dead_set]
+        order = list(range(m))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        self.cache.move_rows(movers, holes)
+        keep = torch.tensor(order, dtype=torch.int64, device=self.device)
+        for name in ROW_TENSORS:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, keep))
         self.sampling = self.sampling.select(keep)
-        kept = keep.tolist()
-        remap = {old: new for new, old in enumerate(kept)}
-        self.seqs = [self.seqs[i] for i in kept]
-        self._text_rows = [remap[i] for i in self._text_rows if i in remap]
-        self._logprob_rows = [remap[i] for i in self._logprob_rows if i in remap]
+        self.seqs = [self.seqs[i] for i in order]
+        self._widths = [self._widths[i] for i in order]
+        self._text_rows = [i for i, s in enumerate(self.seqs) if s.params.stop]
+        self._logprob_rows = [i for i, s in enumerate(self.seqs) if s.params.logprobs is not None]
         self.stats.compactions += 1
 
     def finish_stats(self) -> BatchStats:
-        self.stats.decode_steps = self.decoded_steps
-        self.stats.generated_tokens = sum(s.num_output_tokens for s in self._all)
-        self.stats.seconds = time.perf_counter() - self.started
-        return self.stats
+        """Closes the statistics of the rows that went through since the batch was last empty."""
+        st = self.stats
+        st.generated_tokens = sum(s.num_output_tokens for s in self._all)
+        st.seconds = time.perf_counter() - self.started
+        return st
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -170,34 +266,42 @@ class Batch:
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         return table.to(self.device)
 
-    def _banned(self, vocab_size: int) -> torch.Tensor:
-        banned = torch.zeros((len(self.seqs), vocab_size + 1), dtype=torch.bool, device=self.device)
-        ids = torch.where(self.stop_ids >= 0, self.stop_ids, vocab_size)  # -1 -> the spare column
-        banned.scatter_(1, ids.clamp(max=vocab_size), True)
-        return banned[:, :vocab_size].contiguous()
+    def _banned_table(self, stop_ids: torch.Tensor) -> torch.Tensor:
+        """(n, V) bool: each row's stop tokens (banned while it has fewer than min_tokens)."""
+        v = self.vocab_size
+        banned = torch.zeros((stop_ids.shape[0], v + 1), dtype=torch.bool, device=self.device)
+        banned.scatter_(1, torch.where(stop_ids >= 0, stop_ids, v).clamp(max=v), True)  # -1 -> the spare column
+        return banned[:, :v].contiguous()
 
-    def _check_stop_strings(self, was_alive: torch.Tensor) -> dict[int, tuple[int, str]]:
+    def _check_stop_strings(self, rows: list[int]) -> dict[int, tuple[int, str]]:
         """Rows whose text now holds one of their stop strings: {row: (char index, stop)}."""
         hits = {}
-        for i in self._text_rows:
-            seq = self.seqs[i]
-            if not bool(was_alive[i]):
-                continue
+        for i in rows:
             text = self.tokenizer.decode(self.out[i, : int(self.steps[i])].tolist())
-            hit = find_stop(text, seq.params.stop)
+            hit = find_stop(text, self.seqs[i].params.stop)
             if hit is not None:
                 hits[i] = hit
         return hits
 
-    def _record_logprobs(self, tokens: torch.Tensor, logprobs: torch.Tensor, was_alive: torch.Tensor) -> None:
+    def _record_logprobs(self, idx: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        first = int(idx[0]) if len(idx) else 0
         for i in self._logprob_rows:
-            seq = self.seqs[i]
-            if not bool(was_alive[i]):
+            j = i - first
+            if not 0 <= j < len(idx):
                 continue
-            tok = int(tokens[i])
-            entry = {tok: float(logprobs[i, tok])}
-            n = seq.params.logprobs
-            if n:
-                top = logprobs[i].topk(n)
+            seq = self.seqs[i]
+            tok = int(tokens[j])
+            entry = {tok: float(logprobs[j, tok])}
+            if seq.params.logprobs:
+                top = logprobs[j].topk(seq.params.logprobs)
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             seq.logprobs = (seq.logprobs or []) + [entry]
+
+
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, pad: int) -> torch.Tensor:
+    """Rows of a then b; 2-D tensors are right-padded with `pad` to the wider of the two."""
+    if a.dim() == 2 and a.shape[1] != b.shape[1]:
+        w = max(a.shape[1], b.shape[1])
+        a = torch.nn.functional.pad(a, (0, w - a.shape[1]), value=pad)
+        b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=pad)
+    return torch.cat([a, b])

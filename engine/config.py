@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-SCHEDULING_MODES = ("static",)
+SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -24,7 +24,9 @@ class EngineConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     scheduling: str = "static"
-    """Batching mode: static = padded batches run to completion, sized by max_batch_tokens."""
+    """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens (rows x longest prompt) prefilled in one forward pass; None = max_batch_tokens."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
     allow_pickle: bool = False
@@ -43,6 +45,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.max_prefill_tokens is not None:
+            _positive("max_prefill_tokens", self.max_prefill_tokens)
         if self.scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if self.dtype not in DTYPES:

@@ -1,9 +1,17 @@
-"""A KV cache allocated once per batch, plugged into transformers' Cache interface.
+"""A slot-addressed KV cache plugged into transformers' Cache interface.
 
-transformers' DynamicCache concatenates every step (a full copy of the cache per token);
-this one writes each step into a buffer sized for the whole batch and hands attention a view
-of the filled part. All rows share one write position: rows are left-padded, so the columns
-line up, and the attention mask hides the padding.
+Each running sequence owns one row ("slot") of a (rows, heads, width, head_dim) buffer per
+layer and fills it left to right from column 0, so a token's column is its position. Two kinds
+of forward pass write into it:
+
+- prefill: new sequences' prompts, right-padded, written into a block of free rows;
+- decode: one token per running row, each written at that row's own length.
+
+Attention sees a view of the filled columns, and the attention mask hides each row's columns
+beyond its own length. Buffers start zeroed: masked columns must hold finite values, since
+attention multiplies them by a zero weight (uninitialized memory can hold NaN).
+transformers' DynamicCache instead concatenates every step (a full copy
+of the cache per token) and cannot give rows different lengths.
 """
 from __future__ import annotations
 
@@ -11,64 +19,101 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class SlabLayer(CacheLayerMixin):
-    """One layer's keys and values: (B, H, capacity, D) buffers, filled left to right."""
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values. What a forward writes where is set by the owning KVCache."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, capacity: int):
+    def __init__(self, owner: "KVCache"):
         super().__init__()
-        self.capacity = capacity
-        self.length = 0
+        self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, dk = key_states.shape
+        _, h, _, dk = key_states.shape
         self.device = key_states.device
-        self.keys = key_states.new_empty((b, h, self.capacity, dk))
-        self.values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.keys = key_states.new_zeros((self.owner.rows, h, self.owner.width, dk))
+        self.values = value_states.new_zeros((self.owner.rows, h, self.owner.width, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        o = self.owner
+        if o.positions is None:  # prefill rows [start, start + B), columns [0, S)
+            rows = slice(o.start, o.start + key_states.shape[0])
+            s = key_states.shape[-2]
+            self.keys[rows, :, :s] = key_states
+            self.values[rows, :, :s] = value_states
+            return self.keys[rows, :, :s], self.values[rows, :, :s]
+        n = key_states.shape[0]  # decode: rows [0, n), one column each
+        rows = torch.arange(n, device=key_states.device)
+        self.keys[rows, :, o.positions] = key_states[:, :, 0]
+        self.values[rows, :, o.positions] = value_states[:, :, 0]
+        return self.keys[:n, :, : o.past + 1], self.values[:n, :, : o.past + 1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.owner.past + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.owner.past
 
     def get_max_length(self) -> int:
-        return self.capacity
+        return self.owner.width
 
     def reset(self) -> None:
-        self.length = 0
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keeps only rows `indices` (new, smaller buffers: the freed rows' memory goes back)."""
-        if self.is_initialized:
-            self.keys = self.keys.index_select(0, indices)
-            self.values = self.values.index_select(0, indices)
+        pass
 
 
 class KVCache(Cache):
-    """Per-batch cache: one SlabLayer per decoder layer, `capacity` token slots per row."""
+    """`rows` slots of `width` token columns for every decoder layer.
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
-        self.capacity = capacity
+    Before each forward the batch says what it is: `prefill(start)` (new rows from `start`) or
+    `decode(positions)` (rows [0, n), row i writing column positions[i]).
+    """
 
-    def select_rows(self, indices: torch.Tensor) -> None:
+    def __init__(self, num_layers: int, rows: int, width: int):
+        self.rows = rows
+        self.width = width
+        self.start = 0
+        self.positions: torch.Tensor | None = None
+        self.past = 0  # columns before the first query token, as transformers' mask code sees it
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def prefill(self, start: int) -> None:
+        self.start, self.positions, self.past = start, None, 0
+
+    def decode(self, positions: torch.Tensor, width: int) -> None:
+        """Row i writes column positions[i]; attention spans columns [0, width)."""
+        self.positions, self.past = positions, width - 1
+
+    @torch.inference_mode()  # the buffers were made inside the model's forward (inference mode)
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copies slots src[k] -> dst[k] (used to keep live rows contiguous from row 0)."""
+        if not src:
+            return
         for layer in self.layers:
-            layer.batch_select_indices(indices)
+            if layer.is_initialized:
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
+
+    @torch.inference_mode()
+    def resize(self, rows: int, width: int, keep_rows: int, keep_width: int) -> None:
+        """New buffers of rows x width; the first keep_rows rows' first keep_width columns are kept."""
+        self.rows, self.width = rows, width
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((rows, old.shape[1], width, old.shape[3]))
+                new[:keep_rows, :, :keep_width] = old[:keep_rows, :, :keep_width]
+                setattr(layer, name, new)
+
+    @property
+    def tokens(self) -> int:
+        """Token slots reserved: rows x width."""
+        return self.rows * self.width
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized

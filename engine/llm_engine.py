@@ -34,10 +34,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.config)
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
-        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
+                                   self.config.max_prefill_tokens)
+        self.continuous = self.config.scheduling == "continuous"
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)
         self._batch: Batch | None = None
+        self._pending: list[Sequence] = []  # admitted to the batch, prompt not yet prefilled
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
@@ -81,31 +84,39 @@ class LLMEngine:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def has_unfinished(self) -> bool:
-        return self._batch is not None or self.scheduler.has_waiting()
+        return self._batch is not None or bool(self._pending) or self.scheduler.has_waiting()
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """One forward pass: prefill of a new batch, or one decode step of the running one.
-        Returns the sequences that finished in it."""
-        if self._batch is None:
-            seqs = self.scheduler.next_batch()
-            if not seqs:
-                return []
-            self._batch = Batch(seqs, self.tokenizer, self.runner)
-            inputs = self._batch.prefill_inputs()
-        else:
-            inputs = self._batch.decode_inputs()
+        """One forward pass: a prefill that brings waiting requests into the batch, or one decode
+        step of every running row. Returns the sequences that finished in it."""
         batch = self._batch
-        logits = self.runner.forward(*inputs, batch.cache)
-        tokens, logprobs = self.sampler(logits, batch.sampling, batch.steps, batch.output_counts, batch.seen,
-                                        batch.banned_now())
-        finished = batch.record(tokens, logprobs)
-        if batch.done:
+        if not self._pending:
+            if self.continuous:
+                self._pending = self.scheduler.admit(batch.num_rows if batch else 0, batch.widest if batch else 0)
+            elif batch is None:
+                self._pending = self.scheduler.next_batch()
+        if self._pending:
+            if batch is None:
+                rows_hint = self.config.max_num_seqs if self.continuous else len(self._pending)
+                batch = self._batch = Batch(self.tokenizer, self.runner, self.config.max_batch_tokens, rows_hint)
+            group, self._pending = self.scheduler.prefill_group(self._pending)
+            start = batch.num_rows
+            *inputs, last = batch.prefill_inputs(group)
+            logits = self.runner.forward(*inputs, batch.cache, last)
+            rows = slice(start, start + len(group))
+        elif batch is not None:
+            logits = self.runner.forward(*batch.decode_inputs(), batch.cache)
+            rows = slice(None)
+        else:
+            return []
+        tokens, logprobs = self.sampler(logits, **batch.sampler_inputs(rows))
+        finished = batch.record(rows, tokens, logprobs)
+        drained = not (self.continuous and self.scheduler.has_waiting())  # continuous: one batch per run
+        if batch.empty and not self._pending and drained:
             self.batch_stats.append(batch.finish_stats())
             self._batch = None
-        else:
-            batch.maybe_compact()
         return finished
 
     def generate(self, prompts: Seq[Prompt] | Prompt,

@@ -58,17 +58,18 @@ class ModelRunner:
             return set()
         return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, capacity)
-
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """input_ids, position_ids (B, S); attention_mask (B, cached + S) -> logits (B, V) float32."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids (B, S); attention_mask (B, cached + S) -> logits (B, V) float32
+        at column `last` (B, 1) of each row (default: the final column)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = 1  # only the last position is sampled: skip the rest of the LM head
-        out = self.model(input_ids=input_ids, **kwargs)
-        return out.logits[:, -1, :].float()
+            # Only the sampled positions go through the LM head.
+            kwargs["logits_to_keep"] = 1 if last is None else last
+        logits = self.model(input_ids=input_ids, **kwargs).logits
+        if last is None or self._takes_logits_to_keep:
+            return logits[:, -1, :].float()
+        return logits.gather(1, last[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0, :].float()

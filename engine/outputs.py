@@ -32,28 +32,37 @@ class Completion:
 
 @dataclass
 class BatchStats:
-    """What one static batch cost, so the token budget can be checked and padding measured."""
+    """What one batch cost, so the token budget can be checked and padding measured.
+
+    A batch lasts from its first row joining until it is empty again: one static batch, or in
+    continuous mode every request of a `generate` call."""
 
     rows: int
-    """Requests in the batch."""
+    """Requests that went through the batch."""
     max_prompt_len: int
-    """Longest prompt: every row is left-padded to it."""
+    """Longest prompt."""
     max_new_tokens: int
     """Largest max_tokens among the rows."""
     reserved_tokens: int
-    """KV-cache slots reserved: rows x (max_prompt_len + max_new_tokens); <= max_batch_tokens."""
+    """Most KV-cache slots reserved at once: slots x widest row (prompt + max_tokens); <= max_batch_tokens."""
     prompt_tokens: int
     """Real (unpadded) prompt tokens."""
     padded_prompt_tokens: int
-    """Prompt slots including left padding: rows x max_prompt_len."""
+    """Prompt tokens computed including padding: each prefill's rows x its longest prompt."""
+    peak_rows: int = 0
+    """Most rows running at once; <= max_num_seqs."""
+    prefill_steps: int = 0
+    """Forward passes that brought new rows in."""
+    resizes: int = 0
+    """Times the KV cache was reallocated (to fit a wider row or more rows)."""
     generated_tokens: int = 0
     """Tokens kept in the outputs."""
     decode_steps: int = 0
     """Forward passes after the prefill."""
     computed_rows: int = 0
-    """Row-steps computed in decode, including rows kept after they finished until the next compaction."""
+    """Row-steps computed in decode (finished rows leave at once, so these are all live)."""
     compactions: int = 0
-    """Times finished rows were dropped from the running batch."""
+    """Times finished rows left the running batch."""
     seconds: float = 0.0
     """Wall time of the batch, prefill to last token."""
     extra: dict = field(default_factory=dict)

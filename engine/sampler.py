@@ -57,6 +57,11 @@ class SamplingTensors:
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(**{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)})
 
+    def cat(self, other: "SamplingTensors") -> "SamplingTensors":
+        """This batch's rows, then `other`'s."""
+        return SamplingTensors(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
+                                  for f in fields(self)})
+
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())

@@ -1,20 +1,26 @@
-"""Forms static batches under a KV-token budget. Pure logic: no torch."""
+"""Decides which waiting requests run next, under a KV-token budget. Pure logic: no torch.
+
+static:     a batch is formed when the previous one has drained, and runs to completion.
+continuous: whenever rows and budget are free, waiting requests join the running batch.
+
+Either way the running batch reserves rows x (widest row's prompt + max_tokens) KV slots,
+at most max_batch_tokens, so a request is only started when it can run to its end.
+"""
 from __future__ import annotations
 
 from engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    """Packs waiting requests into padded batches.
+    """Keeps the waiting queue sorted longest first (memory trouble shows in the first batch,
+    not the last; neighbours waste little padding; no long request straggles at the end)."""
 
-    A static batch reserves rows x (longest prompt + largest max_tokens) KV slots, so requests
-    are sorted by length first: neighbours in the sorted order waste little padding.
-    """
-
-    def __init__(self, max_batch_tokens: int, max_num_seqs: int, max_model_len: int):
+    def __init__(self, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
+                 max_prefill_tokens: int | None = None):
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens or max_batch_tokens
         self.waiting: list[Sequence] = []
         self._sorted = True
 
@@ -44,11 +50,9 @@ class Scheduler:
         return bool(self.waiting)
 
     def next_batch(self) -> list[Sequence]:
-        """Takes the next batch off the queue: longest requests first, as many rows as the budget allows."""
-        if not self._sorted:
-            # Longest first: memory trouble shows up in the first batch, not the last.
-            self.waiting.sort(key=lambda s: (s.num_prompt_tokens, s.params.max_tokens, -s.index), reverse=True)
-            self._sorted = True
+        """static: the next batch, taken when the previous one has drained; as many rows as the
+        budget allows, sized rows x (longest prompt + largest max_tokens)."""
+        self._sort(key=lambda s: (s.num_prompt_tokens, s.params.max_tokens, -s.index))
         batch: list[Sequence] = []
         longest_prompt = largest_max_tokens = 0
         for seq in self.waiting:
@@ -59,7 +63,43 @@ class Scheduler:
                 break
             batch.append(seq)
             longest_prompt, largest_max_tokens = prompt, new
-        del self.waiting[: len(batch)]
-        for seq in batch:
+        return self._take(len(batch))
+
+    def admit(self, running: int, widest: int) -> list[Sequence]:
+        """continuous: the requests that join a batch of `running` rows whose widest row fills
+        `widest` columns, taken in queue order while rows, KV budget and prefill budget allow."""
+        self._sort(key=lambda s: (s.max_len, s.num_prompt_tokens, -s.index))
+        k = longest_prompt = 0
+        for seq in self.waiting:
+            rows = running + k + 1
+            width = max(widest, seq.max_len)
+            prompt = max(longest_prompt, seq.num_prompt_tokens)
+            if rows > self.max_num_seqs or rows * width > self.max_batch_tokens:
+                break
+            if k and (k + 1) * prompt > self.max_prefill_tokens:
+                break
+            k, widest, longest_prompt = k + 1, width, prompt
+        return self._take(k)
+
+    def prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Splits off the rows to prefill in one forward pass: rows x longest prompt <= max_prefill_tokens
+        (always at least one row)."""
+        k = longest = 0
+        for seq in pending:
+            longest = max(longest, seq.num_prompt_tokens)
+            if k and (k + 1) * longest > self.max_prefill_tokens:
+                break
+            k += 1
+        return pending[:k], pending[k:]
+
+    def _sort(self, key) -> None:
+        if not self._sorted:
+            self.waiting.sort(key=key, reverse=True)
+            self._sorted = True
+
+    def _take(self, k: int) -> list[Sequence]:
+        taken = self.waiting[:k]
+        del self.waiting[:k]
+        for seq in taken:
             seq.status = Status.RUNNING
-        return batch
+        return taken

@@ -1,5 +1,5 @@
 """Greedy output equals transformers generate() (batch size 1, float32), token for token, on
-tiny random models of several architectures and for every batch budget."""
+tiny random models of several architectures, for every batch budget and both scheduling modes."""
 from __future__ import annotations
 
 import warnings
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import SCHEDULING_MODES
 from tiny_models import ARCHS
 
 PROMPTS = ["Hello world", "a", "The quick brown fox jumps over the lazy dog",
@@ -37,33 +38,39 @@ def assert_same_tokens(ours: list[int], ref: list[int], ref_logits, label: str) 
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs transformers' {len(ref)}"
 
 
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers_for_every_budget(arch, tiny_model_dir, reference_model):
+def test_greedy_matches_transformers_for_every_budget(arch, mode, tiny_model_dir, reference_model):
     path = tiny_model_dir(arch)
     ref_model = reference_model(path)
     max_new = 24
     expected = None
     for budget, rows in BUDGETS:
-        llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=budget, max_num_seqs=rows))
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+        llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=budget, max_num_seqs=rows, scheduling=mode))
+        # different max_tokens per row, so rows finish (and, in continuous mode, are replaced) at different steps
+        params = [SamplingParams(max_tokens=max_new - 3 * (i % 3), temperature=0, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        outs = llm.generate(PROMPTS, params)
         if expected is None:
             expected = [reference(ref_model, llm.tokenizer.encode(p), max_new, stop_at_eos=False)
                         for p in PROMPTS]
-        for p, out, (ref, logits) in zip(PROMPTS, outs, expected):
+        for p, sp, out, (ref, logits) in zip(PROMPTS, params, outs, expected):
             assert out.finish_reason == "length" and out.error is None
-            assert_same_tokens(out.token_ids, ref, logits, f"{arch} budget={budget} prompt={p[:12]!r}")
-        assert all(s.reserved_tokens <= budget and s.rows <= rows for s in llm.batch_stats)
-        if rows == 1:
+            assert_same_tokens(out.token_ids, ref[: sp.max_tokens], logits, f"{arch} {mode} budget={budget} "
+                               f"prompt={p[:12]!r}")
+        assert all(s.reserved_tokens <= budget and s.peak_rows <= rows for s in llm.batch_stats)
+        if mode == "static" and rows == 1:
             assert len(llm.batch_stats) == len(PROMPTS)
-        if budget == 4096 and rows == 64:
-            assert len(llm.batch_stats) == 1
+        if budget == 4096 and rows == 64 or mode == "continuous":
+            assert len(llm.batch_stats) == 1 and llm.batch_stats[0].rows == len(PROMPTS)
 
 
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_stops_at_eos_like_transformers(arch, tiny_model_dir, reference_model):
+def test_stops_at_eos_like_transformers(arch, mode, tiny_model_dir, reference_model):
     path = tiny_model_dir(arch)
     ref_model = reference_model(path)
-    llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=2048))
+    llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=400, scheduling=mode))
     prompts = [f"prompt number {i}: " + "x" * i for i in range(12)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
     stopped = 0
@@ -76,11 +83,12 @@ def test_stops_at_eos_like_transformers(arch, tiny_model_dir, reference_model):
     assert outs[0].num_prompt_tokens == len(llm.tokenizer.encode(prompts[0]))
 
 
-def test_penalties_and_min_tokens_match_transformers(tiny_model_dir, reference_model):
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_penalties_and_min_tokens_match_transformers(mode, tiny_model_dir, reference_model):
     """repetition_penalty and min_tokens use transformers' semantics (prompt+output; EOS masked)."""
     path = tiny_model_dir("llama")
     ref_model = reference_model(path)
-    llm = LLMEngine(EngineConfig(model=str(path)))
+    llm = LLMEngine(EngineConfig(model=str(path), scheduling=mode))
     prompts = ["aaaa bbbb aaaa", "repeat repeat repeat"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.8,
                                                 min_tokens=10))

@@ -25,9 +25,9 @@ def script(llm, text: str, monkeypatch):
     for a, b in successor.items():
         table[a] = b
 
-    def forward(input_ids, attention_mask, position_ids, cache):
-        cache.layers[0].length += input_ids.shape[1]  # keep the cache bookkeeping honest
-        return torch.nn.functional.one_hot(table[input_ids[:, -1]], llm.runner.vocab_size).float() * 50
+    def forward(input_ids, attention_mask, position_ids, cache, last=None):
+        current = input_ids[:, -1] if last is None else input_ids.gather(1, last)[:, 0]
+        return torch.nn.functional.one_hot(table[current], llm.runner.vocab_size).float() * 50
 
     monkeypatch.setattr(llm.runner, "forward", forward)
     return ids
@@ -100,13 +100,15 @@ def test_logprobs_of_chosen_and_top_tokens(llm):
         assert entry[tok] == pytest.approx(max(entry.values()))  # greedy picks the most likely
 
 
-def test_seeded_sampling_ignores_batch_composition_and_budget():
+def test_seeded_sampling_ignores_batch_composition_budget_and_mode():
     prompts = [f"sample {i} " + "z" * (i * 7) for i in range(10)]
     target = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     others = [SamplingParams(max_tokens=4 + i, temperature=0.7, seed=i) for i in range(9)]
     runs = []
-    for budget, rows in [(4096, 64), (300, 2), (4096, 1)]:
-        llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=budget, max_num_seqs=rows))
+    for mode, budget, rows in [("static", 4096, 64), ("static", 300, 2), ("static", 4096, 1),
+                               ("continuous", 4096, 64), ("continuous", 300, 2), ("continuous", 250, 3)]:
+        llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=budget, max_num_seqs=rows,
+                                     scheduling=mode))
         runs.append(llm.generate(prompts[3:4], target)[0].token_ids)
         mixed = llm.generate(prompts, others[:3] + [target] + others[3:])
         runs.append(mixed[3].token_ids)
@@ -147,3 +149,31 @@ def test_presence_penalty_changes_repetition(llm):
     pen = llm.generate(["penalty"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                                                    presence_penalty=2.0, frequency_penalty=2.0))[0]
     assert len(set(pen.token_ids)) >= len(set(base.token_ids))
+
+
+def test_continuous_refills_freed_rows_and_keeps_input_order():
+    """Rows that finish early are replaced at once: fewer forward passes than static batches,
+    the same tokens, results in input order, the KV budget and row limit never exceeded."""
+    prompts = [f"request {i}: " + "q" * (i % 5) for i in range(12)]
+    params = [SamplingParams(max_tokens=4 if i % 2 else 24, temperature=0, ignore_eos=True) for i in range(12)]
+    outs, stats = {}, {}
+    for mode in ("static", "continuous"):
+        llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=4 * 48, max_num_seqs=4,
+                                     scheduling=mode, max_prefill_tokens=64))
+        outs[mode] = llm.generate(prompts, params)
+        stats[mode] = llm.batch_stats
+        assert [o.index for o in outs[mode]] == list(range(12))
+        assert all(s.reserved_tokens <= 4 * 48 and s.peak_rows <= 4 for s in stats[mode])
+    assert [o.token_ids for o in outs["static"]] == [o.token_ids for o in outs["continuous"]]
+    assert [len(o.token_ids) for o in outs["continuous"]] == [p.max_tokens for p in params]
+    cont, = stats["continuous"]
+    assert cont.rows == 12 and cont.prefill_steps > 3
+    steps = {m: sum(s.decode_steps + s.prefill_steps for s in stats[m]) for m in stats}
+    assert steps["continuous"] < steps["static"], steps
+
+
+def test_continuous_mode_fails_bad_requests_alone():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=64, max_num_seqs=2, scheduling="continuous"))
+    outs = llm.generate(["fine", "x" * 100, "", "also fine"], SamplingParams(max_tokens=8, temperature=0))
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "length"]
+    assert "max_batch_tokens (64)" in outs[1].error and "empty prompt" in outs[2].error

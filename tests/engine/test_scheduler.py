@@ -54,3 +54,38 @@ def test_single_request_at_exact_budget_runs():
     s = Scheduler(max_batch_tokens=50, max_num_seqs=4, max_model_len=64)
     assert s.add(seq(0, 40, 10))
     assert len(s.next_batch()) == 1
+
+
+def test_continuous_admission_respects_rows_budget_and_prefill_cap():
+    s = Scheduler(max_batch_tokens=1000, max_num_seqs=4, max_model_len=4096, max_prefill_tokens=120)
+    for i, (p, m) in enumerate([(50, 150), (40, 100), (30, 60), (20, 20), (10, 10), (10, 5)]):
+        s.add(seq(i, p, m))
+    # widest first: 200 columns; the prefill cap (rows x longest prompt <= 120) allows 2 rows
+    first = s.admit(running=0, widest=0)
+    assert [q.index for q in first] == [0, 1]
+    assert [q.index for q in s.admit(running=2, widest=200)] == [2, 3]  # 4 x 200 = 800 <= 1000
+    assert s.admit(running=4, widest=200) == []  # no free row
+    assert [q.index for q in s.admit(running=3, widest=200)] == [4]  # one row freed
+    assert s.admit(running=4, widest=140) == []
+    assert [q.index for q in s.admit(running=3, widest=140)] == [5]
+    assert not s.has_waiting()
+
+
+def test_continuous_admission_waits_for_kv_budget():
+    s = Scheduler(max_batch_tokens=300, max_num_seqs=8, max_model_len=4096)
+    for i in range(3):
+        s.add(seq(i, 50, 50))
+    assert len(s.admit(running=0, widest=0)) == 3  # 3 x 100 = 300
+    s.add(seq(3, 10, 10))
+    assert s.admit(running=3, widest=100) == []  # 4 x 100 > 300
+    assert [q.index for q in s.admit(running=2, widest=100)] == [3]
+
+
+def test_prefill_groups_split_under_the_prefill_cap():
+    s = Scheduler(max_batch_tokens=10_000, max_num_seqs=64, max_model_len=4096, max_prefill_tokens=100)
+    pending = [seq(i, n, 4) for i, n in enumerate([40, 30, 30, 120, 5])]
+    groups = []
+    while pending:
+        group, pending = s.prefill_group(pending)
+        groups.append([q.num_prompt_tokens for q in group])
+    assert groups == [[40, 30], [30], [120], [5]]  # a prompt over the cap still runs, alone

@@ -1,4 +1,4 @@
-"""batchinfer's generation engine: static batches under a KV-token budget, on torch + transformers."""
+"""batchinfer's generation engine: static or continuous batching under a KV-token budget, on torch + transformers."""
 __version__ = "0.1.0"
 
 from engine.config import EngineConfig

@@ -184,7 +184,11 @@ class Batch:
     def record(self, rows: slice, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> list[Sequence]:
         """Stores the new token of each row in `rows` (a prefill group, or all rows after a
         decode); finished rows leave the batch. Returns the sequences that finished."""
+        now = time.perf_counter()
         idx = torch.arange(self.num_rows, device=self.device)[rows]
+        if rows != slice(None):  # a prefill: these rows' first tokens
+            for seq in self.seqs[rows]:
+                seq.first_token_time = now
         self.out[idx, self.steps[idx]] = tokens
         self.steps[idx] += 1
         if rows == slice(None):
@@ -217,6 +221,7 @@ class Batch:
             else:
                 seq.text = self.tokenizer.decode(out)
                 seq.finish("length")
+            seq.finish_time = now
             finished.append(seq)
         if finished_rows:
             self._remove(finished_rows)

@@ -12,12 +12,14 @@ from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scoring import ChoiceScores, score_choices
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+CPU_PREFILL_TOKENS = 1024
 
 
 class LLMEngine:
@@ -35,7 +37,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
-                                   self.config.max_prefill_tokens)
+                                   self._max_prefill_tokens())
         self.continuous = self.config.scheduling == "continuous"
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)
@@ -53,6 +55,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_max})")
         return self.config.max_model_len
+
+    def _max_prefill_tokens(self) -> int:
+        if self.config.max_prefill_tokens is not None:
+            return self.config.max_prefill_tokens
+        # On CPU a prefill of ~1k tokens already keeps every core busy, and smaller groups pad less
+        # (scripts/bench_batching.py, workload c); a GPU wants as many tokens per pass as it can get.
+        return min(self.config.max_batch_tokens, CPU_PREFILL_TOKENS if self.runner.device.type == "cpu"
+                   else self.config.max_batch_tokens)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -118,6 +128,28 @@ class LLMEngine:
             self.batch_stats.append(batch.finish_stats())
             self._batch = None
         return finished
+
+    def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
+        """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
+        prompts[i]. Strings are tokenized on their own, without special tokens, so write a choice
+        as it would continue the prompt (e.g. with its leading space). One ChoiceScores per row."""
+        if len(prompts) != len(choices):
+            raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
+        prompt_ids, choice_ids, failed = [], [], {}
+        for i, (p, cs) in enumerate(zip(prompts, choices)):
+            try:
+                ids = self._tokenize(p)
+                cids = [self.tokenizer.encode_continuation(c) if isinstance(c, str) else list(c) for c in cs]
+            except (TypeError, ValueError) as exc:
+                failed[i] = str(exc)
+                ids, cids = [], []
+            prompt_ids.append(ids)
+            choice_ids.append(cids)
+        scores = score_choices(self.runner, prompt_ids, choice_ids, self.config.max_batch_tokens,
+                               self.config.max_num_seqs, self.max_model_len)
+        for i, message in failed.items():
+            scores[i] = ChoiceScores([], [], 0, message)
+        return scores
 
     def generate(self, prompts: Seq[Prompt] | Prompt,
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:

@@ -29,6 +29,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
+    """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN with
+    its weight prepacked once. With few rows per step, torch's default GEMM streams this matrix
+    slowly: at 10 rows the head took 16 ms of a 41 ms decode step on builtin:llama-42m, packed
+    7 ms (the step 41 -> 32 ms). Costs one extra copy of the head's weight. Returns whether it
+    was packed."""
+    from torch.utils import mkldnn
+
+    head = model.get_output_embeddings()
+    if (device.type != "cpu" or dtype != torch.float32 or type(head) is not torch.nn.Linear
+            or not torch.backends.mkldnn.is_available()):
+        return False
+    model.set_output_embeddings(mkldnn.MkldnnLinear(head, dtype))
+    return True
+
+
 class ModelRunner:
     """Holds the model and tokenizer; `forward` returns the logits of each row's last position."""
 
@@ -43,6 +59,7 @@ class ModelRunner:
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_position_embeddings: int | None = (
             getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
+        self.packed_lm_head = pack_lm_head(self.model, self.device, self.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -57,6 +74,15 @@ class ModelRunner:
         if eos is None:
             return set()
         return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+               cache: KVCache) -> torch.Tensor:
+        """Like `forward`, but the logits of every position: (B, S, V) in the model's dtype."""
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = position_ids
+        return self.model(input_ids=input_ids, **kwargs).logits
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

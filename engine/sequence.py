@@ -40,6 +40,10 @@ class Sequence:
     """Why it failed, for finish_reason == "error"."""
     text: str | None = None
     """Output text, set once finished (cut at a stop string when one matched)."""
+    first_token_time: float | None = None
+    """time.perf_counter() when its first token was sampled."""
+    finish_time: float | None = None
+    """time.perf_counter() when it finished."""
 
     @property
     def num_prompt_tokens(self) -> int:

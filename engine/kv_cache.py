@@ -4,7 +4,8 @@ Each running sequence owns one row ("slot") of a (rows, heads, width, head_dim) 
 layer and fills it left to right from column 0, so a token's column is its position. Two kinds
 of forward pass write into it:
 
-- prefill: new sequences' prompts, right-padded, written into a block of free rows;
+- prefill: new sequences' prompts, right-padded, written into a block of free rows (or, for
+  choice scoring, continuations written after a shared prompt);
 - decode: one token per running row, each written at that row's own length.
 
 Attention sees a view of the filled columns, and the attention mask hides each row's columns
@@ -40,12 +41,12 @@ class SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         o = self.owner
-        if o.positions is None:  # prefill rows [start, start + B), columns [0, S)
+        if o.positions is None:  # prefill rows [start, start + B), columns [past, past + S)
             rows = slice(o.start, o.start + key_states.shape[0])
-            s = key_states.shape[-2]
-            self.keys[rows, :, :s] = key_states
-            self.values[rows, :, :s] = value_states
-            return self.keys[rows, :, :s], self.values[rows, :, :s]
+            end = o.past + key_states.shape[-2]
+            self.keys[rows, :, o.past:end] = key_states
+            self.values[rows, :, o.past:end] = value_states
+            return self.keys[rows, :, :end], self.values[rows, :, :end]
         n = key_states.shape[0]  # decode: rows [0, n), one column each
         rows = torch.arange(n, device=key_states.device)
         self.keys[rows, :, o.positions] = key_states[:, :, 0]
@@ -80,8 +81,9 @@ class KVCache(Cache):
         self.past = 0  # columns before the first query token, as transformers' mask code sees it
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    def prefill(self, start: int) -> None:
-        self.start, self.positions, self.past = start, None, 0
+    def prefill(self, start: int, offset: int = 0) -> None:
+        """Rows from `start` write their tokens from column `offset` on (attending to columns before it)."""
+        self.start, self.positions, self.past = start, None, offset
 
     def decode(self, positions: torch.Tensor, width: int) -> None:
         """Row i writes column positions[i]; attention spans columns [0, width)."""
@@ -96,6 +98,15 @@ class KVCache(Cache):
             if layer.is_initialized:
                 layer.keys[dst] = layer.keys[src]
                 layer.values[dst] = layer.values[src]
+
+    @torch.inference_mode()
+    def expand_rows(self, index: torch.Tensor) -> None:
+        """New rows: row r is a copy of old row index[r] (one prompt shared by several continuations)."""
+        self.rows = len(index)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
 
     @torch.inference_mode()
     def resize(self, rows: int, width: int, keep_rows: int, keep_width: int) -> None:

@@ -18,6 +18,26 @@ class Tokenizer:
         """Token ids of `text`, with the special tokens the model expects (e.g. BOS)."""
         return self.hf(text, add_special_tokens=True, verbose=False)["input_ids"]
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` as it continues a prompt: no special tokens."""
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"a choice must be non-empty text, got {text!r}")
+        return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ending with the
+        assistant's turn (add_generation_prompt)."""
+        if not self.has_chat_template:
+            raise ValueError("the model's tokenizer has no chat template, so chat messages cannot be rendered "
+                             "(use a plain prompt column or template, or a model with a chat_template)")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template writes any BOS itself; adding special tokens again would double it.
+        return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
+
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 

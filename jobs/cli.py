@@ -88,6 +88,14 @@ def summary_table(result) -> str:
             ("generated tokens", str(result.generated_tokens)),
             ("wall time", f"{result.seconds:.1f}s ({result.generate_seconds:.1f}s generating)"),
             ("tokens/s", f"{run.get('generated_tokens_per_second', 0.0):.1f} (this run)")]
+    for name, m in result.manifest.get("metrics", {}).items():
+        if m["mean"] is not None:
+            rows.append((name, f"{m['mean']:.4f} (95% CI {m['ci95'][0]:.4f}-{m['ci95'][1]:.4f}, n={m['count']})"))
+    batch = result.manifest.get("openai_batch")
+    if batch:
+        counts = batch["request_counts"]
+        rows.append(("openai batch", f"{counts['completed']} completed, {counts['failed']} failed -> "
+                                     f"{batch['output_file']}, {batch['error_file']}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

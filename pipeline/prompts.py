@@ -1,5 +1,9 @@
 """Prepare: turns input rows into prompts, or into a per-row error that says why not.
 
+A prompt is text (from a column or a template), or a list of chat messages (from a messages
+column, or a text prompt wrapped in the spec's system prompt and few-shot turns) that the
+worker renders with the model's chat template.
+
 Templates use `{column}` fields and nothing else: attribute access, indexing and positional
 fields are refused when the template is parsed, so a template cannot reach Python internals.
 """
@@ -7,33 +11,65 @@ from __future__ import annotations
 
 import string
 
+from pipeline.openai_batch import parse_messages
+
 
 class TemplateError(ValueError):
     """The template itself is invalid (fatal, reported before any actor starts)."""
 
 
 class PromptBuilder:
-    """Builds one prompt per row from a column or a template over columns."""
+    """Builds one prompt per row from a column, a template over columns, or chat messages."""
 
-    def __init__(self, prompt_column: str | None = "prompt", template: str | None = None):
-        if template is None and not prompt_column:
-            raise TemplateError("set input.prompt_column or input.template")
+    def __init__(self, prompt_column: str | None = "prompt", template: str | None = None,
+                 messages_column: str | None = None, system_prompt: str | None = None,
+                 few_shot: list[dict] | tuple = ()):
+        if template is None and not prompt_column and not messages_column:
+            raise TemplateError("set input.prompt_column, input.template or input.messages_column")
         self.prompt_column = prompt_column
         self.template = template
-        self.fields = parse_template(template) if template is not None else []
+        self.messages_column = messages_column
+        self.fields = parse_template(template) if template is not None and not messages_column else []
+        self.preamble = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        for shot in few_shot:
+            self.preamble += [{"role": "user", "content": shot["user"]},
+                              {"role": "assistant", "content": shot["assistant"]}]
+
+    @classmethod
+    def from_spec(cls, input_spec: dict) -> "PromptBuilder":
+        return cls(input_spec["prompt_column"], input_spec["template"], input_spec.get("messages_column"),
+                   input_spec.get("system_prompt"), input_spec.get("few_shot") or ())
+
+    @property
+    def chat(self) -> bool:
+        """Whether prompts are chat messages (rendered with the model's chat template)."""
+        return bool(self.messages_column or self.preamble)
 
     @property
     def columns(self) -> list[str]:
         """Input columns the prompts are built from."""
+        if self.messages_column:
+            return [self.messages_column]
         return self.fields if self.template is not None else [self.prompt_column]
 
-    def build(self, row: dict) -> tuple[str | None, str | None]:
-        """(prompt, None) or (None, error message)."""
+    def build(self, row: dict) -> tuple[str | list[dict] | None, str | None]:
+        """(prompt, None) or (None, error message); a chat prompt is a list of messages."""
+        if self.messages_column:
+            if self.messages_column not in row:
+                return None, f"row has no column {self.messages_column!r}"
+            try:
+                return self.preamble + parse_messages(row[self.messages_column], self.messages_column), None
+            except ValueError as exc:
+                return None, str(exc)
         if self.template is not None:
-            return self._render(row)
-        if self.prompt_column not in row:
+            prompt, error = self._render(row)
+        elif self.prompt_column not in row:
             return None, f"row has no column {self.prompt_column!r}"
-        return check_prompt(row[self.prompt_column])
+        else:
+            prompt, error = check_prompt(row[self.prompt_column])
+        if prompt is not None and self.preamble:
+            return self.preamble + [{"role": "user", "content": prompt}], None
+        return prompt, error
 
     def _render(self, row: dict) -> tuple[str | None, str | None]:
         values = {}

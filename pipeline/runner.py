@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.loader import ModelLoadError, check_weights, load_tokenizer, one_line, resolve_model_dir
 from pipeline import chaos
 from pipeline.lock import LockHeld, RunLock
+from pipeline.metrics import MetricsAccumulator
 from pipeline.prompts import PromptBuilder, TemplateError
 from pipeline.report import build_report, new_run, touch_run, write_run
 from pipeline.sink import SUMMARY_FIELDS, OutputDir
@@ -129,7 +130,8 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     run["status"], run["finished"] = "done", time.time()
     write_run(out, run)
     chaos.point("generated")
-    manifest = _manifest(spec, out, all_keys, record, run)
+    finals = _final_files(spec, out, all_keys)
+    manifest = _manifest(spec, out, all_keys, record, run) | finals
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > spec["max_error_rate"]:
         manifest["status"] = "error_rate_exceeded"
     out.write_json("manifest.json", manifest)
@@ -146,27 +148,44 @@ def preflight(spec: dict) -> list[tuple[str, str, str]]:
     try:
         storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
         files = list_inputs(storage, spec["input"]["format"])
-        builder = PromptBuilder(spec["input"]["prompt_column"], spec["input"]["template"])
+        builder = PromptBuilder.from_spec(spec["input"])
         path, name, fmt = files[0]
         columns = read_schema_columns(storage, path, fmt)
     except (InputError, TemplateError) as exc:
         raise JobError(str(exc)) from None
     except (OSError, ValueError, ImportError) as exc:
         raise JobError(f"cannot read input {spec['input']['path']}: {one_line(exc)}") from None
-    needed = builder.columns + ([spec["input"]["id_column"]] if spec["input"]["id_column"] else [])
+    needed = input_columns(spec, builder)
     absent = [c for c in needed if c not in columns]
     if columns and absent:
         raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
-    check_model(engine_config(spec))
+    tokenizer = check_model(engine_config(spec))
+    if builder.chat and not getattr(tokenizer, "chat_template", None):
+        raise JobError(f"model {spec['model']}: its tokenizer has no chat template, so input.messages_column, "
+                       "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
     return files
 
 
-def check_model(config: EngineConfig) -> None:
-    """Resolves the model directory, checks its weights and loads its tokenizer (no weights)."""
+def input_columns(spec: dict, builder: PromptBuilder) -> list[str]:
+    """Input columns every row needs: the prompt's, the id's, and the task's."""
+    inp = spec["input"]
+    if inp["format"] == "openai_batch":
+        return ["custom_id", "body"]
+    needed = builder.columns + ([inp["id_column"]] if inp["id_column"] else [])
+    if spec["task"] in ("label", "eval") and spec["label"]["choices_column"]:
+        needed.append(spec["label"]["choices_column"])
+    if spec["task"] == "eval":
+        needed += [c for c in (spec["eval"]["reference_column"], spec["eval"]["group_column"]) if c]
+    return needed
+
+
+def check_model(config: EngineConfig):
+    """Resolves the model directory, checks its weights and loads its tokenizer (no weights).
+    Returns the tokenizer."""
     try:
         model_dir = resolve_model_dir(config)
         check_weights(model_dir, config.allow_pickle)
-        load_tokenizer(config, model_dir)
+        return load_tokenizer(config, model_dir)
     except (ModelLoadError, ValueError) as exc:
         raise JobError(f"model {config.model}: {exc}") from None
 
@@ -295,6 +314,32 @@ def _ids_of(spec: dict, shard) -> list[str]:
 
 
 # -- manifest -----------------------------------------------------------------------------------
+
+def _final_files(spec: dict, out: OutputDir, keys: list[str]) -> dict:
+    """Files computed from the committed parts (so a resumed job writes what an uninterrupted
+    one would): metrics.json for task eval; output.jsonl and errors.jsonl for openai_batch.
+    Returns what the manifest says about them."""
+    extra = {}
+    if spec["task"] == "eval":
+        acc = MetricsAccumulator(spec["eval"]["metrics"], spec["eval"]["group_column"])
+        for key in keys:
+            acc.add(out.read_part(key))
+        result = acc.result()
+        out.write_json("metrics.json", result)
+        extra["metrics"] = {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}
+    if out.format == "openai_batch":
+        everything, failed = [], []
+        for line, obj in out.iter_lines(keys):
+            everything.append(line)
+            if obj["error"] is not None:
+                failed.append(line)
+        for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
+            out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
+        extra["openai_batch"] = {"output_file": "output.jsonl", "error_file": "errors.jsonl",
+                                 "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
+                                                    "failed": len(failed)}}
+    return extra
+
 
 def _manifest(spec, out: OutputDir, keys, record, run) -> dict:
     report = build_report(out, keys, spec["report"]["price_per_hour"])

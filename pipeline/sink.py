@@ -4,6 +4,9 @@ Layout of an output directory:
     _job.json             the spec fingerprint: a rerun with another spec is refused
     data/part-<key>.*     one part per input shard, written whole or not at all
     _progress/<key>.json  the shard's counts, written after its part
+    metrics.json          task eval: metrics over the committed scores (written when complete)
+    output.jsonl          openai_batch: every line, in input order (written when complete)
+    errors.jsonl          openai_batch: the failed requests' lines (written when complete)
     manifest.json         counts, timings, versions, list of parts (written when complete)
     _SUCCESS              written last
 """
@@ -18,6 +21,9 @@ import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
 import pyarrow.parquet as pq
 
 from pipeline.storage import Storage
+
+FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
+"""Written from the committed parts once every shard is done (by task / format)."""
 
 SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens")
 """Counts kept per shard and summed per job; `skipped` = malformed lines left out (on_bad_line: skip)."""
@@ -55,7 +61,7 @@ class OutputDir:
         self.storage.write_atomic(self.storage.path("_SUCCESS"), b"")
 
     def clear(self) -> None:
-        for name in ("_SUCCESS", "manifest.json", "_job.json"):
+        for name in ("_SUCCESS", "manifest.json", "_job.json", *FINAL_FILES):
             path = self.storage.path(name)
             if self.storage.exists(path):
                 self.storage.fs.rm(path)
@@ -97,10 +103,21 @@ class OutputDir:
             # A native buffer: reading a Python file object with threads aborts at interpreter exit
             # once fsspec is imported (pyarrow 26).
             return pq.read_table(pa.BufferReader(data))
-        return pa.Table.from_pylist([json.loads(line) for line in data.splitlines() if line.strip()])
+        lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
+        if self.format == "openai_batch":
+            return pa.table({"line": pa.array(lines, pa.string())})
+        return pa.Table.from_pylist([json.loads(line) for line in lines])
+
+    def iter_lines(self, keys: list[str]):
+        """openai_batch: every committed line, part by part in `keys` order, as parsed dicts."""
+        for key in keys:
+            for line in self.read_part(key).column("line").to_pylist():
+                yield line, json.loads(line)
 
 
 def encode(table: pa.Table, fmt: str) -> bytes:
+    if fmt == "openai_batch":
+        return "".join(line + "\n" for line in table.column("line").to_pylist()).encode("utf-8")
     if fmt == "parquet":
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
@@ -111,6 +128,8 @@ def encode(table: pa.Table, fmt: str) -> bytes:
 
 def summarize(table: pa.Table) -> dict:
     """Counts over an output table: rows, errors, prompt and generated tokens, first causes."""
+    if table.column_names == ["line"]:
+        return _summarize_openai(table)
     d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
     errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
     return {
@@ -121,3 +140,18 @@ def summarize(table: pa.Table) -> dict:
         "generated_tokens": int(sum(d["num_generated_tokens"])),
         "error_samples": errors[:3],
     }
+
+
+def _summarize_openai(table: pa.Table) -> dict:
+    """summarize() over OpenAI Batch output lines."""
+    errors, prompt, generated = [], 0, 0
+    for line in table.column("line").to_pylist():
+        obj = json.loads(line)
+        if obj["error"] is not None:
+            errors.append(obj["error"]["message"])
+        else:
+            usage = obj["response"]["body"]["usage"]
+            prompt += usage["prompt_tokens"]
+            generated += usage["completion_tokens"]
+    return {"rows": table.num_rows, "errors": len(errors), "skipped": 0, "prompt_tokens": prompt,
+            "generated_tokens": generated, "error_samples": errors[:3]}

@@ -62,6 +62,8 @@ class Shard:
 
 
 def file_format(path: str, declared: str) -> str | None:
+    if declared == "openai_batch":
+        return "jsonl"  # OpenAI Batch files are JSONL; the worker reads the request lines
     if declared != "auto":
         return declared
     lower = path.lower()

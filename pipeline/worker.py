@@ -1,7 +1,6 @@
 """Generate stage: an actor holding one engine, turning whole shards into committed parts."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -9,24 +8,20 @@ import time
 
 import pyarrow as pa
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.loader import one_line
 from pipeline import chaos
-from pipeline.prompts import PromptBuilder
+from pipeline import openai_batch as oai
 from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
+from pipeline.tasks import BASE_COLUMNS, TaskRunner, request_for
 
-OUTPUT_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
+OUTPUT_COLUMNS = BASE_COLUMNS
 
 
 class FatalShardError(RuntimeError):
     """A shard that can never succeed (e.g. duplicate ids): the job must stop."""
-
-
-def row_seed(base: int, row_id: str) -> int:
-    """Each row's sampling seed: the same on any worker, in any batch, on every rerun."""
-    return int.from_bytes(hashlib.sha256(f"{base}\0{row_id}".encode()).digest()[:8], "big") >> 1
 
 
 def engine_config(spec: dict) -> EngineConfig:
@@ -52,14 +47,10 @@ class ShardWorker:
         self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
         self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
                                 spec["output"]["format"])
-        self.prompts = PromptBuilder(spec["input"]["prompt_column"], spec["input"]["template"])
         if not spec["workers"]["gpus"]:
             _share_cpu_threads(spec["workers"]["num"])
         self.engine = LLMEngine(engine_config(spec))
-        sampling = dict(spec["sampling"])
-        self.base_seed = sampling.pop("seed")
-        self.base_seed = spec["seed"] if self.base_seed is None else self.base_seed
-        self.sampling = sampling
+        self.tasks = TaskRunner(spec, self.engine)
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
@@ -73,20 +64,11 @@ class ShardWorker:
         rows, ids, errors = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
-        prompts, todo = [], []
-        for i, row in enumerate(rows):
-            if errors[i] is None:
-                prompt, errors[i] = self.prompts.build(row)
-                if prompt is not None:
-                    prompts.append(prompt)
-                    todo.append(i)
-        params = [SamplingParams(**self.sampling, seed=row_seed(self.base_seed, ids[i])) for i in todo]
-        completions = self.engine.generate(prompts, params) if prompts else []
-        results = [None] * len(rows)
-        for i, c in zip(todo, completions):
-            results[i] = (c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error)
-        table = self._table(rows, ids, errors, results)
+        records = self.tasks.run(rows, ids, errors)
+        table = self._table(rows, ids, records)
         summary = summarize(table)
+        if self.output.format == "openai_batch":
+            table = self._openai_lines(rows, ids, records)
         summary.update(skipped=skipped, shard=shard.key, file=shard.name, start=shard.start, stop=shard.stop,
                        seconds=time.perf_counter() - started, worker=self.worker_id,
                        part=self.output.storage.uri(self.output.part_path(shard.key)))
@@ -124,22 +106,52 @@ class ShardWorker:
             ids.append(value)
         return ids
 
-    def _table(self, rows, ids, errors, results) -> pa.Table:
+    def _table(self, rows, ids, records) -> pa.Table:
         keep = self.spec["input"]["columns"]
         out = []
-        for row, row_id, err, res in zip(rows, ids, errors, results):
+        for row, row_id, rec in zip(rows, ids, records):
             record = {"id": row_id}
             for name, value in row.items():
-                if (keep is None or name in keep) and name not in OUTPUT_COLUMNS and name != "id":
+                if (keep is None or name in keep) and name not in rec and name != "id":
                     record[name] = value
-            if res is None:
-                res = ("", 0, 0, "error", err)
-            record.update(zip(OUTPUT_COLUMNS, res))
+            record.update((k, v) for k, v in rec.items() if not k.startswith("_"))
             out.append(record)
         if not out:
             return _empty_table()
         names = list(dict.fromkeys(name for record in out for name in record))
         return pa.table({name: _column([record.get(name) for record in out]) for name in names})
+
+
+    def _openai_lines(self, rows, ids, records) -> pa.Table:
+        """OpenAI Batch output: one response (or error) line per row, as JSON text."""
+        created, lines = int(time.time()), []
+        tokenizer = self.engine.tokenizer
+        for row, row_id, rec in zip(rows, ids, records):
+            req = rec.get("_request")
+            if rec["finish_reason"] == "error":
+                custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
+                code = oai.GENERATION_ERROR if req is not None else oai.INVALID_REQUEST
+                line = oai.error_line(custom_id if self.tasks.openai_input else row_id, code, rec["error"] or "",
+                                      row_id=row_id)
+            else:
+                req = req or request_for(row_id, chat=self.tasks.prompts is not None and self.tasks.prompts.chat)
+                logprobs = None
+                if rec.get("_logprobs") is not None:
+                    n = req.sampling.get("logprobs", self.spec["sampling"]["logprobs"]) or 0
+                    logprobs = [_token_logprob(tokenizer, step, n) for step in rec["_logprobs"]]
+                line = oai.response_line(req, text=rec["generated_text"], finish_reason=rec["finish_reason"],
+                                         prompt_tokens=rec["num_prompt_tokens"],
+                                         completion_tokens=rec["num_generated_tokens"],
+                                         model=req.model or self.spec["model"], created=created, logprobs=logprobs)
+            lines.append(json.dumps(line, ensure_ascii=False))
+        return pa.table({"line": pa.array(lines, pa.string())})
+
+
+def _token_logprob(tokenizer, step: dict[int, float], n: int) -> oai.TokenLogprob:
+    """The engine's {token id: logprob} of one step (chosen token first, then the top n) as text."""
+    (chosen, logprob), *_ = step.items()
+    top = sorted(step.items(), key=lambda kv: -kv[1])[:n]
+    return oai.TokenLogprob(tokenizer.decode([chosen]), logprob, [(tokenizer.decode([t]), lp) for t, lp in top])
 
 
 def _empty_table() -> pa.Table:

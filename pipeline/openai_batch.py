@@ -1,0 +1,369 @@
+"""OpenAI Batch API files: request lines in, response and error lines out.
+
+An input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {...}}. `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
+sampling fields mapped to `engine.SamplingParams` keyword arguments, and either None or a clear
+per-row error. Nothing here raises on bad input: a bad line is a row error, and the job goes on.
+
+Body fields, by what happens to them:
+    mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
+                stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat)
+    checked     n (only 1), stream (only false), model (a string; reported in the response only)
+    ignored     user, and for chat metadata and store: they describe the request, not how to
+                generate it
+    unknown     anything else (logit_bias, tools, response_format, ...): listed in
+                BatchRequest.unknown; the caller makes that a row error or a warning with
+                `unknown_fields_error`
+A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
+with two engine limits on top: top_p must be > 0 and seed must be >= 0.
+
+Output lines (`response_line`, `error_line`) have OpenAI's shape; their ids are derived from the
+custom_id, so a rerun writes the same bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+
+ROLES = ("system", "developer", "user", "assistant")
+"""Chat roles accepted; "developer" (OpenAI's newer name for system) is passed on as "system",
+which is what chat templates know. Tool and function messages are refused."""
+
+IGNORED_FIELDS = {CHAT_URL: ("user", "metadata", "store"), COMPLETIONS_URL: ("user",)}
+"""Body fields accepted and ignored, per endpoint (the OpenAI completions API has no metadata or
+store): end-user id, tags and storage choice do not change generation."""
+
+_COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty",
+                  "frequency_penalty", "logprobs", "stream")
+KNOWN_FIELDS = {
+    CHAT_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[CHAT_URL]
+                        + ("messages", "max_completion_tokens", "top_logprobs")),
+    COMPLETIONS_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[COMPLETIONS_URL] + ("prompt",)),
+}
+"""Body fields understood per endpoint; any other is reported in BatchRequest.unknown."""
+
+INVALID_REQUEST = "invalid_request"
+"""error_line code for a line that could not be parsed or validated."""
+GENERATION_ERROR = "generation_error"
+"""error_line code for a valid request the engine failed (prompt too long, ...)."""
+
+
+@dataclass
+class BatchRequest:
+    """One parsed request line. Exactly one of messages / prompt is set when error is None."""
+
+    custom_id: str | None
+    """The caller's id of the request; None when missing or not a string."""
+    url: str | None = None
+    """CHAT_URL or COMPLETIONS_URL; None when the line's url is invalid."""
+    messages: list[dict] | None = None
+    """Chat requests: [{"role", "content": str}], text parts joined with newlines."""
+    prompt: str | None = None
+    """Completion requests: the prompt text."""
+    sampling: dict = field(default_factory=dict)
+    """Keyword arguments for engine.SamplingParams, only the fields the body sets."""
+    model: str | None = None
+    """The body's model name: informational, echoed in the response only."""
+    error: str | None = None
+    """Why this line cannot run, or None."""
+    unknown: list[str] = field(default_factory=list)
+    """Body fields this module does not understand, sorted."""
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT_URL
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and its top alternatives, already decoded to text."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+    """(token text, logprob) of the most likely tokens, most likely first."""
+
+
+class _RowError(ValueError):
+    """A problem with one line, reported as BatchRequest.error."""
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+def parse_request(obj) -> BatchRequest:
+    """Parses one decoded JSON line; never raises on bad input (see BatchRequest.error)."""
+    if not isinstance(obj, dict):
+        return BatchRequest(None, error=f"request line must be a JSON object, got {_kind(obj)}")
+    custom_id = obj.get("custom_id")
+    req = BatchRequest(custom_id if isinstance(custom_id, str) and custom_id else None)
+    try:
+        _parse_line(obj, req)
+    except _RowError as exc:
+        req.error = str(exc)
+    return req
+
+
+def unknown_fields_error(unknown: list[str]) -> str:
+    """The row error (or warning) for body fields that are not understood."""
+    return f"unsupported body fields: {', '.join(sorted(unknown))}"
+
+
+def _parse_line(obj: dict, req: BatchRequest) -> None:
+    if "custom_id" not in obj or obj["custom_id"] is None:
+        raise _RowError("custom_id is missing")
+    if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
+        raise _RowError(f"custom_id must be a non-empty string, got {obj['custom_id']!r}")
+    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise _RowError(f"unsupported request fields: {', '.join(extra)} (expected custom_id, method, url, body)")
+    if obj.get("method") != "POST":
+        raise _RowError(f'method must be "POST", got {obj.get("method")!r}')
+    if obj.get("url") not in URLS:
+        raise _RowError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {obj.get('url')!r}")
+    req.url = obj["url"]
+    body = obj.get("body")
+    if body is None:
+        raise _RowError("body is missing")
+    if not isinstance(body, dict):
+        raise _RowError(f"body must be a JSON object, got {_kind(body)}")
+    req.unknown = sorted(set(body) - KNOWN_FIELDS[req.url])
+    req.model = _optional(body, "model", _check_str)
+    if req.is_chat:
+        req.messages = parse_messages(body.get("messages"))
+    else:
+        req.prompt = _parse_prompt(body.get("prompt"))
+    req.sampling = _parse_sampling(body, req.is_chat)
+
+
+def parse_messages(messages, where: str = "body.messages") -> list[dict]:
+    """Chat messages in OpenAI format -> [{role, content: str}]; ValueError naming the problem."""
+    if messages is None:
+        raise _RowError(f"{where} is missing")
+    if not isinstance(messages, list) or not messages:
+        raise _RowError(f"{where} must be a non-empty list of {{role, content}}")
+    return [_parse_message(f"{where}[{i}]", m) for i, m in enumerate(messages)]
+
+
+def _parse_message(where: str, message) -> dict:
+    if not isinstance(message, dict):
+        raise _RowError(f"{where} must be an object with role and content, got {_kind(message)}")
+    extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
+    if extra:
+        raise _RowError(f"{where} has unsupported fields: {', '.join(extra)}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise _RowError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+    return {"role": "system" if role == "developer" else role,
+            "content": _parse_content(where, message.get("content"))}
+
+
+def _parse_content(where: str, content) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise _RowError(f"{where}.content is missing")
+    if not isinstance(content, list) or not content:
+        raise _RowError(f"{where}.content must be a string or a non-empty list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _RowError(f"{where}.content[{j}] must be an object, got {_kind(part)}")
+        if part.get("type") != "text":
+            raise _RowError(f"{where}.content[{j}]: part type {part.get('type')!r} is not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise _RowError(f"{where}.content[{j}].text must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_prompt(prompt) -> str:
+    if prompt is None:
+        raise _RowError("body.prompt is missing")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            raise _RowError("body.prompt as token ids is not supported; send the prompt text")
+        if len(prompt) != 1:
+            raise _RowError(f"body.prompt must be a string or a list of exactly one string "
+                            f"(one request per line), got a list of {len(prompt)}")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _RowError(f"body.prompt must be a string, got {_kind(prompt)}")
+    if not prompt:
+        raise _RowError("body.prompt is empty")
+    return prompt
+
+
+def _parse_sampling(body: dict, chat: bool) -> dict:
+    sampling = {}
+    max_tokens = _optional(body, "max_tokens", _check_int, 1)
+    if chat:
+        max_completion = _optional(body, "max_completion_tokens", _check_int, 1)
+        if None not in (max_tokens, max_completion) and max_tokens != max_completion:
+            raise _RowError(f"body.max_tokens ({max_tokens}) and body.max_completion_tokens "
+                            f"({max_completion}) differ; set one of them")
+        max_tokens = max_tokens if max_tokens is not None else max_completion
+    _put(sampling, "max_tokens", max_tokens)
+    _put(sampling, "temperature", _optional(body, "temperature", _check_number, 0.0, 2.0))
+    top_p = _optional(body, "top_p", _check_number, 0.0, 1.0)
+    if top_p == 0:
+        raise _RowError("body.top_p must be > 0 (use temperature 0 for greedy decoding)")
+    _put(sampling, "top_p", top_p)
+    _put(sampling, "presence_penalty", _optional(body, "presence_penalty", _check_number, -2.0, 2.0))
+    _put(sampling, "frequency_penalty", _optional(body, "frequency_penalty", _check_number, -2.0, 2.0))
+    _put(sampling, "seed", _optional(body, "seed", _check_int, 0))
+    _put(sampling, "stop", _optional(body, "stop", _check_stop))
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise _RowError(f"body.n must be 1 (one completion per request), got {n!r}")
+    if body.get("stream") is not None and body["stream"] is not False:
+        raise _RowError(f"body.stream must be false, got {body['stream']!r}")
+    _put(sampling, "logprobs", _parse_logprobs(body, chat))
+    return sampling
+
+
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    if not chat:  # completions: logprobs = number of alternatives, 0..5
+        return _optional(body, "logprobs", _check_int, 0, 5)
+    wanted = _optional(body, "logprobs", _check_bool)
+    top = _optional(body, "top_logprobs", _check_int, 0, 20)
+    if top is not None and not wanted:
+        raise _RowError("body.top_logprobs needs body.logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _optional(body: dict, name: str, check, *args):
+    """body[name] checked, or None when it is absent or null."""
+    value = body.get(name)
+    return None if value is None else check(f"body.{name}", value, *args)
+
+
+def _put(sampling: dict, name: str, value) -> None:
+    if value is not None:
+        sampling[name] = value
+
+
+def _check_str(where: str, value) -> str:
+    if not isinstance(value, str):
+        raise _RowError(f"{where} must be a string, got {_kind(value)}")
+    return value
+
+
+def _check_bool(where: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise _RowError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def _check_int(where: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _RowError(f"{where} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise _RowError(f"{where} must be {bounds}, got {value}")
+    return value
+
+
+def _check_number(where: str, value, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise _RowError(f"{where} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise _RowError(f"{where} must be in [{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def _check_stop(where: str, value) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _RowError(f"{where} must be a non-empty string or a list of them, got {value!r}")
+    return stops
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def response_line(req: BatchRequest, *, text: str, finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int, model: str, created: int,
+                  logprobs: list[TokenLogprob] | None = None) -> dict:
+    """The output line of a request that ran: a chat.completion or text_completion body.
+
+    finish_reason: "stop" or "length" (failed rows go through `error_line`). created: Unix
+    seconds; pass one value per job (e.g. its start) so that reruns write identical lines.
+    logprobs: per generated token, when the request asked for them; completion text_offset
+    values count from the start of the generated text.
+    """
+    if req.error is not None or req.url not in URLS or req.custom_id is None:
+        raise ValueError("response_line needs a valid request; write failed requests with error_line")
+    if finish_reason not in ("stop", "length"):
+        raise ValueError(f'finish_reason must be "stop" or "length", got {finish_reason!r}; '
+                         "write failed requests with error_line")
+    for name, value in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if req.is_chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish_reason, "logprobs": _chat_logprobs(logprobs)}
+        body = {"id": "chatcmpl-" + _digest("completion", req.custom_id), "object": "chat.completion",
+                "created": created, "model": model, "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
+                  "logprobs": _completion_logprobs(logprobs)}
+        body = {"id": "cmpl-" + _digest("completion", req.custom_id), "object": "text_completion",
+                "created": created, "model": model, "choices": [choice], "usage": usage}
+    return {"id": _line_id(req.custom_id), "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": _digest("request", req.custom_id), "body": body},
+            "error": None}
+
+
+def error_line(custom_id: str | None, code: str, message: str, *, row_id: str | None = None) -> dict:
+    """The output line of a request that failed (also what goes to the errors file).
+
+    The line id comes from custom_id, or from row_id (the job's row id) when the line had no
+    usable custom_id."""
+    key = custom_id if custom_id is not None else row_id
+    if key is None:
+        raise ValueError("error_line needs a custom_id or a row_id")
+    line_key = key if custom_id is not None else f"row:{row_id}"
+    return {"id": _line_id(line_key), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def _line_id(key: str) -> str:
+    return "batch_req_" + _digest("line", key)
+
+
+def _digest(kind: str, key: str) -> str:
+    return hashlib.sha256(f"{kind}\0{key}".encode()).hexdigest()[:32]
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(tok, lp) for tok, lp in t.top]}
+                        for t in logprobs],
+            "refusal": None}
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+    offsets, offset = [], 0
+    for t in logprobs:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
+            "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}

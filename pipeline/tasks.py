@@ -1,0 +1,190 @@
+"""Score/parse stage: what each task makes of a shard's rows.
+
+generate  prompt -> text.
+label     prompt -> one of `choices`, picked by the log-likelihood of each choice after the
+          prompt (no sampling), or generated text parsed with `label_regex`.
+eval      generate (or label), then score each row against its reference (`score_<metric>`
+          columns); pipeline.metrics aggregates the committed scores into metrics.json.
+
+Prompts come from a column, a template, chat messages (rendered with the model's chat
+template) or OpenAI Batch request lines. Every problem with one row becomes that row's error.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+from engine import LLMEngine, SamplingParams
+from pipeline import metrics as M
+from pipeline.openai_batch import BatchRequest, parse_request, unknown_fields_error
+from pipeline.prompts import PromptBuilder
+
+BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
+LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_token")
+NO_MATCH = "label_regex did not match the generated text"
+
+
+def row_seed(base: int, row_id: str) -> int:
+    """Each row's sampling seed: the same on any worker, in any batch, on every rerun."""
+    return int.from_bytes(hashlib.sha256(f"{base}\0{row_id}".encode()).digest()[:8], "big") >> 1
+
+
+class TaskRunner:
+    """Turns rows into output records (the BASE_COLUMNS plus the task's own columns)."""
+
+    def __init__(self, spec: dict, engine: LLMEngine):
+        self.spec = spec
+        self.engine = engine
+        self.task = spec["task"]
+        self.openai_input = spec["input"]["format"] == "openai_batch"
+        self.prompts = None if self.openai_input else PromptBuilder.from_spec(spec["input"])
+        sampling = dict(spec["sampling"])
+        seed = sampling.pop("seed")
+        self.base_seed = spec["seed"] if seed is None else seed
+        self.sampling = sampling
+        label = spec["label"]
+        labeling = self.task in ("label", "eval")
+        self.choices = label["choices"] if labeling else None
+        self.choices_column = label["choices_column"] if labeling else None
+        self.scoring = bool(self.choices or self.choices_column)
+        self.label_regex = re.compile(label["label_regex"]) if labeling and label["label_regex"] else None
+        self.labels = self.scoring or self.label_regex is not None
+
+    # -- rows -> records ------------------------------------------------------------------------
+
+    def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[dict]:
+        """One record per row, in order; `errors[i]` set = the row failed before this stage."""
+        records: list[dict | None] = [None] * len(rows)
+        todo, prompts, params, requests = self._prepare(rows, ids, errors)
+        if self.scoring:
+            self._score(rows, todo, prompts, errors, records)
+        else:
+            completions = self.engine.generate(prompts, params) if prompts else []
+            for i, c, req in zip(todo, completions, requests):
+                records[i] = {"generated_text": c.text, "num_prompt_tokens": c.num_prompt_tokens,
+                              "num_generated_tokens": c.num_generated_tokens, "finish_reason": c.finish_reason,
+                              "error": c.error}
+                if self.label_regex is not None:
+                    records[i].update(self._parse_label(c))
+                if req is not None:
+                    records[i]["_request"], records[i]["_logprobs"] = req, c.logprobs
+        for i, rec in enumerate(records):
+            if rec is None:
+                records[i] = {"generated_text": "", "num_prompt_tokens": 0, "num_generated_tokens": 0,
+                              "finish_reason": "error", "error": errors[i]}
+                if self.labels:
+                    records[i].update(dict.fromkeys(LABEL_COLUMNS if self.scoring else ("label",)))
+        if self.task == "eval":
+            self._add_scores(rows, records)
+        return records
+
+    def _prepare(self, rows, ids, errors):
+        """Indices of the rows that run, and their prompts (text or token ids), sampling params
+        and OpenAI requests (None for other inputs)."""
+        todo, prompts, params, requests = [], [], [], []
+        for i, row in enumerate(rows):
+            if errors[i] is not None:
+                continue
+            req, overrides = None, {}
+            if self.openai_input:
+                req = parse_request(row)
+                if req.error is None and req.unknown:
+                    req.error = unknown_fields_error(req.unknown)
+                if req.error is not None:
+                    errors[i] = req.error
+                    continue
+                prompt, overrides = (req.messages if req.is_chat else req.prompt), req.sampling
+            else:
+                prompt, errors[i] = self.prompts.build(row)
+                if prompt is None:
+                    continue
+            try:
+                if isinstance(prompt, list):  # chat messages
+                    prompt = self.engine.tokenizer.encode_chat(prompt)
+                sp = SamplingParams(**{"seed": row_seed(self.base_seed, ids[i]), **self.sampling, **overrides})
+            except (ValueError, TypeError) as exc:
+                errors[i] = str(exc)
+                continue
+            todo.append(i)
+            prompts.append(prompt)
+            params.append(sp)
+            requests.append(req)
+        return todo, prompts, params, requests
+
+    # -- label ----------------------------------------------------------------------------------
+
+    def _score(self, rows, todo, prompts, errors, records) -> None:
+        run, run_prompts, run_choices = [], [], []
+        for i, prompt in zip(todo, prompts):
+            choices = self.choices if self.choices else rows[i].get(self.choices_column)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                errors[i] = f"{self.choices_column!r} must hold a non-empty list of non-empty strings, got {choices!r}"
+                continue
+            prefix = self._choice_prefix(prompt)
+            run.append((i, choices))
+            run_prompts.append(prompt)
+            run_choices.append([prefix + c for c in choices])
+        scores = self.engine.score_choices(run_prompts, run_choices) if run else []
+        normalize = self.spec["label"]["length_normalize"]
+        for (i, choices), sc in zip(run, scores):
+            if sc.error:
+                errors[i] = sc.error
+                continue
+            per_token = [lp / n for lp, n in zip(sc.logprobs, sc.num_tokens)]
+            ranking = per_token if normalize else sc.logprobs
+            best = max(range(len(choices)), key=ranking.__getitem__)
+            records[i] = {"generated_text": choices[best], "num_prompt_tokens": sc.num_prompt_tokens,
+                          "num_generated_tokens": 0, "finish_reason": "stop", "error": None,
+                          "label": choices[best], "label_probs": _softmax(sc.logprobs),
+                          "label_logprobs": sc.logprobs, "label_logprobs_per_token": per_token}
+
+    def _choice_prefix(self, prompt) -> str:
+        prefix = self.spec["label"]["choice_prefix"]
+        if prefix is not None:
+            return prefix
+        # a plain prompt continues with a space ("Sentiment:" + " positive"); a chat prompt ends
+        # where the assistant's answer starts
+        return " " if isinstance(prompt, str) and not prompt[-1:].isspace() else ""
+
+    def _parse_label(self, c) -> dict:
+        if c.finish_reason == "error":
+            return {"label": None}
+        match = self.label_regex.search(c.text)
+        if match is None:
+            return {"label": None, "error": NO_MATCH}
+        return {"label": match.group(1) if self.label_regex.groups else match.group(0)}
+
+    # -- eval -----------------------------------------------------------------------------------
+
+    def _add_scores(self, rows, records) -> None:
+        ev = self.spec["eval"]
+        refs = [row.get(ev["reference_column"]) for row in rows]
+        failed = [r["finish_reason"] == "error" for r in records]
+        text_metrics = [m for m in ev["metrics"] if m != "accuracy"]
+        columns = {}
+        if text_metrics:
+            preds = [None if bad else r["generated_text"] for r, bad in zip(records, failed)]
+            columns.update(M.score_columns(preds, refs, text_metrics, normalize_opts=ev["normalize"],
+                                           answer_regex=ev["answer_regex"]))
+        if "accuracy" in ev["metrics"]:
+            # a generated label that did not parse counts as wrong, not as missing
+            preds = [None if bad else (r.get("label") or "") for r, bad in zip(records, failed)]
+            columns.update(M.score_columns(preds, refs, ["accuracy"], normalize_opts=ev["normalize"]))
+        for name, values in columns.items():
+            for rec, value in zip(records, values):
+                rec[name] = value
+
+
+def _softmax(logprobs: list[float]) -> list[float]:
+    top = max(logprobs)
+    exp = [math.exp(x - top) for x in logprobs]
+    total = sum(exp)
+    return [e / total for e in exp]
+
+
+def request_for(row_id: str, chat: bool) -> BatchRequest:
+    """An OpenAI request stand-in for rows that did not come from an OpenAI Batch file."""
+    from pipeline.openai_batch import CHAT_URL, COMPLETIONS_URL
+
+    return BatchRequest(custom_id=row_id, url=CHAT_URL if chat else COMPLETIONS_URL)

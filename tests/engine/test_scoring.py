@@ -1,0 +1,56 @@
+"""Choice scoring: log-likelihoods equal transformers' own, computed one choice at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+
+
+def reference_logprob(model, prompt_ids: list[int], choice_ids: list[int]) -> float:
+    """log P(choice | prompt) from one plain forward pass over prompt + choice."""
+    x = torch.tensor([prompt_ids + choice_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(x).logits[0].float(), dim=-1)
+    return sum(float(lp[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(choice_ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("budget", [4096, 100])
+def test_choice_logprobs_match_transformers(arch, budget, tiny_model_dir, reference_model):
+    """Prompts of different lengths in one group, choices of 1-9 tokens, and (budget 60) rows
+    split over several groups: every score equals the independent computation."""
+    path = tiny_model_dir(arch)
+    ref = reference_model(path)
+    llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=budget))
+    prompts = ["The film was wonderful. Sentiment:", "Awful.", "Q: 2+2? A:"]
+    choices = [[" positive", " negative"], [" good", " bad", " neutral-ish"], [" 4", " four", " 5"]]
+    scores = llm.score_choices(prompts, choices)
+    for p, cs, sc in zip(prompts, choices, scores):
+        assert sc.error is None
+        pids = llm.tokenizer.encode(p)
+        expected = [reference_logprob(ref, pids, llm.tokenizer.encode_continuation(c)) for c in cs]
+        assert sc.logprobs == pytest.approx(expected, abs=1e-4)
+        assert sc.num_tokens == [len(llm.tokenizer.encode_continuation(c)) for c in cs]
+        assert sc.num_prompt_tokens == len(pids)
+        assert max(range(len(cs)), key=sc.logprobs.__getitem__) == max(range(len(cs)), key=expected.__getitem__)
+
+
+def test_single_token_choices_and_token_id_inputs():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    ids = llm.tokenizer.encode("pick one:")
+    by_text = llm.score_choices(["pick one:"], [["a", "b"]])[0]  # one byte token each
+    by_ids = llm.score_choices([ids], [[llm.tokenizer.encode_continuation("a"), llm.tokenizer.encode_continuation("b")]])[0]
+    assert by_text.logprobs == pytest.approx(by_ids.logprobs, abs=1e-5)
+    assert by_text.num_tokens == [1, 1]
+
+
+def test_rows_that_cannot_be_scored_fail_alone():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=64, max_model_len=48))
+    out = llm.score_choices(["ok", "", "x" * 40, "fine", "many"],
+                            [[" y", " n"], [" y"], [" y" * 5], [" y", ""], [" a"] * 40])
+    assert out[0].error is None and len(out[0].logprobs) == 2
+    assert "empty prompt" in out[1].error
+    assert "max_model_len (48)" in out[2].error
+    assert "non-empty" in out[3].error
+    assert "max_batch_tokens (64)" in out[4].error

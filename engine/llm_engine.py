@@ -131,15 +131,16 @@ class LLMEngine:
 
     def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
-        prompts[i]. Strings are tokenized on their own, without special tokens, so write a choice
-        as it would continue the prompt (e.g. with its leading space). One ChoiceScores per row."""
+        prompts[i]. A text choice after a text prompt is tokenized as part of prompt + choice (its
+        tokens are those beyond the prompt's), so write it as it would continue the prompt, e.g.
+        with its leading space. One ChoiceScores per row."""
         if len(prompts) != len(choices):
             raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
         prompt_ids, choice_ids, failed = [], [], {}
         for i, (p, cs) in enumerate(zip(prompts, choices)):
             try:
                 ids = self._tokenize(p)
-                cids = [self.tokenizer.encode_continuation(c) if isinstance(c, str) else list(c) for c in cs]
+                cids = [self._continuation(p, ids, c) for c in cs]
             except (TypeError, ValueError) as exc:
                 failed[i] = str(exc)
                 ids, cids = [], []
@@ -150,6 +151,18 @@ class LLMEngine:
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
         return scores
+
+    def _continuation(self, prompt: Prompt, prompt_ids: list[int], choice: str | list[int]) -> list[int]:
+        """A choice's token ids as they follow the prompt: for text, the tokens that prompt + choice
+        has beyond the prompt's own (tokenizers that merge across the boundary or add a prefix
+        space agree with how the text would be read); else the choice tokenized on its own."""
+        if not isinstance(choice, str):
+            return list(choice)
+        if isinstance(prompt, str) and choice:
+            whole = self.tokenizer.encode(prompt + choice)
+            if len(whole) > len(prompt_ids) and whole[: len(prompt_ids)] == prompt_ids:
+                return whole[len(prompt_ids):]
+        return self.tokenizer.encode_continuation(choice)
 
     def generate(self, prompts: Seq[Prompt] | Prompt,
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:

@@ -20,6 +20,9 @@ import torch
 
 from engine.kv_cache import KVCache
 
+LOGITS_BYTES = 256 * 2**20
+"""Pass 2 runs in chunks of choice rows whose float32 logits stay under this size."""
+
 
 @dataclass
 class ChoiceScores:
@@ -63,16 +66,19 @@ def score_choices(runner, prompts: list[list[int]], choices: list[list[list[int]
 
 
 def _groups(rows, prompts, choices, max_batch_tokens: int, max_num_seqs: int):
-    """Consecutive rows whose choice rows x (longest prompt + longest choice) fit the budget."""
-    group, n, width = [], 0, 0
+    """Consecutive rows whose choice rows x (longest prompt + longest choice) fit the budget:
+    the cache _score_group allocates."""
+    group, n, longest_prompt, longest_choice = [], 0, 0, 0
     for i in rows:
         k = len(choices[i])
-        w = max(width, len(prompts[i]) + max(len(c) for c in choices[i]))
-        if group and ((n + k) * w > max_batch_tokens or n + k > max_num_seqs):
+        p = max(longest_prompt, len(prompts[i]))
+        c = max(longest_choice, max(len(x) for x in choices[i]))
+        if group and ((n + k) * (p + c) > max_batch_tokens or n + k > max_num_seqs):
             yield group
-            group, n, w = [], 0, len(prompts[i]) + max(len(c) for c in choices[i])
+            group, n = [], 0
+            p, c = len(prompts[i]), max(len(x) for x in choices[i])
         group.append(i)
-        n, width = n + k, w
+        n, longest_prompt, longest_choice = n + k, p, c
     if group:
         yield group
 
@@ -104,18 +110,23 @@ def _score_group(runner, prompts: list[list[int]], choices: list[list[list[int]]
         cids = torch.zeros((len(flat), clen), dtype=torch.int64)
         for j, c in enumerate(flat):
             cids[j, : len(c)] = torch.tensor(c)
+        cids = cids.to(device)
         clens = torch.tensor([len(c) for c in flat], device=device)
         ccols = torch.arange(clen, device=device)[None, :]
         all_cols = torch.arange(plen + clen, device=device)[None, :]
         own_plen = plens[owner][:, None]
-        mask = (all_cols < own_plen) | ((all_cols >= plen) & (all_cols < plen + clens[:, None]))
-        cache.prefill(0, offset=plen)
-        logits = runner.logits(cids.to(device), mask.long(), own_plen + ccols, cache)  # (C, L, V)
-        # token t+1 of a choice is scored at the position of token t
-        nxt = cids[:, 1:].to(device)
-        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, nxt[:, :, None])[:, :, 0]  # (C, L-1)
-        lp = lp.masked_fill(ccols[:, 1:] >= clens[:, None], 0.0)
-        totals = totals + lp.sum(dim=1)
+        mask = ((all_cols < own_plen) | ((all_cols >= plen) & (all_cols < plen + clens[:, None]))).long()
+        later = []
+        # in chunks of rows, so the (rows, choice length, vocab) logits stay under LOGITS_BYTES
+        step = max(1, LOGITS_BYTES // (clen * runner.vocab_size * 4))
+        for a in range(0, len(flat), step):
+            rows = slice(a, a + step)
+            cache.prefill(a, offset=plen)
+            logits = runner.logits(cids[rows], mask[rows], own_plen[rows] + ccols, cache)  # (r, L, V)
+            # token t+1 of a choice is scored at the position of token t
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, cids[rows, 1:, None])[:, :, 0]
+            later.append(lp.masked_fill(ccols[:, 1:] >= clens[rows, None], 0.0).sum(dim=1))
+        totals = totals + torch.cat(later)
 
     out, j = [], 0
     totals = totals.tolist()

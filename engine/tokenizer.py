@@ -34,7 +34,10 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError("the model's tokenizer has no chat template, so chat messages cannot be rendered "
                              "(use a plain prompt column or template, or a model with a chat_template)")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001  jinja2 errors, templates that raise on a role order
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
         # The template writes any BOS itself; adding special tokens again would double it.
         return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
 

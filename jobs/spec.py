@@ -177,7 +177,21 @@ class JobSpec(_Section):
         data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
                                                      "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"},
                                                      "report": True, "max_error_rate": True})
+        # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
+        defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
+        for path in ADDED_FIELDS:
+            *parents, leaf = path
+            node, default = data, defaults
+            for key in parents:
+                node, default = node[key], default[key]
+            if node.get(leaf) == default[leaf]:
+                del node[leaf]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
+                ("input", "system_prompt"), ("input", "few_shot"))
+"""Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 
 
 def check_task(spec: JobSpec) -> None:
@@ -185,6 +199,7 @@ def check_task(spec: JobSpec) -> None:
     import re
 
     from pipeline.metrics import check_metrics
+    from pipeline.tasks import output_columns
 
     label, ev, inp = spec.label, spec.eval, spec.input
     labels = bool(label.choices or label.choices_column or label.label_regex)
@@ -212,7 +227,16 @@ def check_task(spec: JobSpec) -> None:
         if "accuracy" in ev.metrics and not labels:
             raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
                              "label.label_regex")
+    produced = set(output_columns(spec.model_dump(mode="json"))) | {"id"}
+    for name, column in (("eval.reference_column", ev.reference_column), ("eval.group_column", ev.group_column),
+                         ("label.choices_column", label.choices_column)):
+        if column in produced and (spec.task == "eval" or name.startswith("label")):
+            raise ValueError(f"{name}: {column!r} is also an output column of task {spec.task}; rename it in the "
+                             "input data")
     if inp.format == "openai_batch":
+        if spec.task != "generate":
+            raise ValueError(f"input.format openai_batch holds completion requests: task {spec.task} needs jsonl or "
+                             "parquet input")
         if inp.template or inp.messages_column or inp.system_prompt or inp.few_shot:
             raise ValueError("input.format openai_batch: the requests carry their own prompts; drop input.template, "
                              "messages_column, system_prompt and few_shot")

@@ -117,7 +117,8 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
         ensure_ray(address)
         run["generate_started"] = time.time()
         try:
-            _execute(spec, pending, run, progress)
+            # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
+            _execute({**spec, "created": int(record.get("created") or time.time())}, pending, run, progress)
         except BaseException:
             run["status"], run["finished"] = "failed", time.time()
             write_run(out, run)
@@ -323,7 +324,9 @@ def _final_files(spec: dict, out: OutputDir, keys: list[str]) -> dict:
     if spec["task"] == "eval":
         acc = MetricsAccumulator(spec["eval"]["metrics"], spec["eval"]["group_column"])
         for key in keys:
-            acc.add(out.read_part(key))
+            table = out.read_part(key)
+            if table.num_rows:  # an empty shard's part has no score columns to read
+                acc.add(table)
         result = acc.result()
         out.write_json("metrics.json", result)
         extra["metrics"] = {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}

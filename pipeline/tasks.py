@@ -15,6 +15,8 @@ import hashlib
 import math
 import re
 
+import pyarrow as pa
+
 from engine import LLMEngine, SamplingParams
 from pipeline import metrics as M
 from pipeline.openai_batch import BatchRequest, parse_request, unknown_fields_error
@@ -23,6 +25,32 @@ from pipeline.prompts import PromptBuilder
 BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
 LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_token")
 NO_MATCH = "label_regex did not match the generated text"
+_SCORES = pa.list_(pa.float64())
+COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+                "finish_reason": pa.string(), "error": pa.string(), "label": pa.string(), "label_probs": _SCORES,
+                "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
+"""Arrow types of the columns this stage writes (score_<metric> columns are float64), so that
+every part of a job has the same schema, whatever its rows held."""
+
+
+def column_type(name: str) -> pa.DataType | None:
+    if name.startswith(M.SCORE_PREFIX):
+        return pa.float64()
+    return COLUMN_TYPES.get(name)
+
+
+def output_columns(spec: dict) -> list[str]:
+    """Columns this stage adds for `spec`'s task (an input column of the same name is replaced)."""
+    names = list(BASE_COLUMNS)
+    label = spec["label"]
+    if spec["task"] in ("label", "eval"):
+        if label["choices"] or label["choices_column"]:
+            names += LABEL_COLUMNS
+        elif label["label_regex"]:
+            names.append("label")
+    if spec["task"] == "eval":
+        names += [M.score_column(m) for m in spec["eval"]["metrics"]]
+    return names
 
 
 def row_seed(base: int, row_id: str) -> int:
@@ -64,11 +92,9 @@ class TaskRunner:
             for i, c, req in zip(todo, completions, requests):
                 records[i] = {"generated_text": c.text, "num_prompt_tokens": c.num_prompt_tokens,
                               "num_generated_tokens": c.num_generated_tokens, "finish_reason": c.finish_reason,
-                              "error": c.error}
+                              "error": c.error, "_ran": True, "_request": req, "_logprobs": c.logprobs}
                 if self.label_regex is not None:
                     records[i].update(self._parse_label(c))
-                if req is not None:
-                    records[i]["_request"], records[i]["_logprobs"] = req, c.logprobs
         for i, rec in enumerate(records):
             if rec is None:
                 records[i] = {"generated_text": "", "num_prompt_tokens": 0, "num_generated_tokens": 0,

@@ -15,9 +15,7 @@ from pipeline import openai_batch as oai
 from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
-from pipeline.tasks import BASE_COLUMNS, TaskRunner, request_for
-
-OUTPUT_COLUMNS = BASE_COLUMNS
+from pipeline.tasks import TaskRunner, column_type, output_columns, request_for
 
 
 class FatalShardError(RuntimeError):
@@ -108,29 +106,33 @@ class ShardWorker:
 
     def _table(self, rows, ids, records) -> pa.Table:
         keep = self.spec["input"]["columns"]
+        if keep is not None:  # eval needs its reference and group columns in the committed parts
+            keep = set(keep) | {self.spec["eval"]["reference_column"], self.spec["eval"]["group_column"]}
+        produced = output_columns(self.spec)
         out = []
         for row, row_id, rec in zip(rows, ids, records):
             record = {"id": row_id}
             for name, value in row.items():
-                if (keep is None or name in keep) and name not in rec and name != "id":
+                if (keep is None or name in keep) and name not in produced and name != "id":
                     record[name] = value
-            record.update((k, v) for k, v in rec.items() if not k.startswith("_"))
+            record.update((k, rec.get(k)) for k in produced)
             out.append(record)
         if not out:
-            return _empty_table()
+            return pa.table({"id": pa.array([], pa.string()),
+                             **{name: pa.array([], column_type(name)) for name in produced}})
         names = list(dict.fromkeys(name for record in out for name in record))
-        return pa.table({name: _column([record.get(name) for record in out]) for name in names})
+        return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
 
 
     def _openai_lines(self, rows, ids, records) -> pa.Table:
         """OpenAI Batch output: one response (or error) line per row, as JSON text."""
-        created, lines = int(time.time()), []
+        created, lines = self.spec.get("created") or int(time.time()), []
         tokenizer = self.engine.tokenizer
         for row, row_id, rec in zip(rows, ids, records):
             req = rec.get("_request")
             if rec["finish_reason"] == "error":
                 custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
-                code = oai.GENERATION_ERROR if req is not None else oai.INVALID_REQUEST
+                code = oai.GENERATION_ERROR if rec.get("_ran") else oai.INVALID_REQUEST
                 line = oai.error_line(custom_id if self.tasks.openai_input else row_id, code, rec["error"] or "",
                                       row_id=row_id)
             else:
@@ -154,12 +156,6 @@ def _token_logprob(tokenizer, step: dict[int, float], n: int) -> oai.TokenLogpro
     return oai.TokenLogprob(tokenizer.decode([chosen]), logprob, [(tokenizer.decode([t]), lp) for t, lp in top])
 
 
-def _empty_table() -> pa.Table:
-    return pa.table({"id": pa.array([], pa.string()), "generated_text": pa.array([], pa.string()),
-                     "num_prompt_tokens": pa.array([], pa.int64()), "num_generated_tokens": pa.array([], pa.int64()),
-                     "finish_reason": pa.array([], pa.string()), "error": pa.array([], pa.string())})
-
-
 def _share_cpu_threads(num_workers: int) -> None:
     """Ray caps a fractional-CPU actor at one math thread (OMP_NUM_THREADS=1); on a CPU-only
     node the engines should share the cores instead."""
@@ -168,9 +164,12 @@ def _share_cpu_threads(num_workers: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
 
 
-def _column(values: list) -> pa.Array:
-    """An Arrow column from Python values; a column of mixed types becomes JSON text, and a
-    column that is null in every row becomes text, so that the parts of one job agree."""
+def _column(values: list, dtype: pa.DataType | None = None) -> pa.Array:
+    """An Arrow column from Python values: of `dtype` for the columns this job writes; for passed-
+    through input columns, mixed types become JSON text and a column that is null in every row
+    becomes text, so that the parts of one job agree."""
+    if dtype is not None:
+        return pa.array(values, dtype)
     try:
         array = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):

@@ -54,3 +54,25 @@ def test_rows_that_cannot_be_scored_fail_alone():
     assert "max_model_len (48)" in out[2].error
     assert "non-empty" in out[3].error
     assert "max_batch_tokens (64)" in out[4].error
+
+
+def test_groups_budget_counts_longest_prompt_plus_longest_choice():
+    from engine.scoring import _groups
+
+    prompts = [[1] * 40, [1]]
+    choices = [[[2], [3]], [[2] * 40]]
+    # together: 3 choice rows x (40 + 40) = 240 > 100, though each row alone fits
+    assert list(_groups([0, 1], prompts, choices, max_batch_tokens=100, max_num_seqs=64)) == [[0], [1]]
+    assert list(_groups([0, 1], prompts, choices, max_batch_tokens=240, max_num_seqs=64)) == [[0, 1]]
+
+
+def test_second_pass_in_row_chunks_gives_the_same_scores(monkeypatch):
+    import engine.scoring
+
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    prompts, choices = ["one two", "three"], [[" alpha", " beta", " gamma delta"], [" x y z", " w"]]
+    whole = llm.score_choices(prompts, choices)
+    monkeypatch.setattr(engine.scoring, "LOGITS_BYTES", 1)  # one choice row per forward pass
+    chunked = llm.score_choices(prompts, choices)
+    for a, b in zip(whole, chunked):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

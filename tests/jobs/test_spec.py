@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from engine import EngineConfig, SamplingParams
 from jobs.cli import main
-from jobs.spec import SpecError, field_reference, load_spec
+from jobs.spec import SpecError, field_reference, load_spec, validate
 
 
 def spec(*overrides, **kw):
@@ -81,3 +81,11 @@ def test_every_field_has_a_description_and_the_cli_lists_them():
 def test_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path):
     out = CliRunner().invoke(main, ["run", "--input", "x.jsonl", "--output", str(tmp_path), "--set", "nope=1"])
     assert out.exit_code == 2 and "nope: unknown key" in out.output
+
+
+def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
+    """Outputs started by batchinfer 0.1 (before label/eval/chat/prefill fields existed) resume:
+    fields added since count only when set. The value was computed by the 0.1 code (ac30e8b)."""
+    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5}}
+    assert validate(spec).fingerprint() == "aaf815c29dd0473d"
+    assert validate({**spec, "engine": {"max_prefill_tokens": 512}}).fingerprint() != "aaf815c29dd0473d"

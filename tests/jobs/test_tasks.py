@@ -281,3 +281,48 @@ def test_shipped_task_configs_run(name, tmp_path, monkeypatch):
             "arithmetic", "geography", "language"}
     if name == "openai_batch":
         assert len((tmp_path / "out" / "output.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_row_the_chat_template_refuses_is_that_rows_error(tmp_path):
+    model = tmp_path / "strict-template"
+    shutil.copytree(builtin_path("builtin:tiny"), model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('system role not supported') }}"
+        "{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                       {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}])
+    code, text = run("--model", model, "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out",
+                     "--set", "input.messages_column=messages", "--set", "sampling.max_tokens=3",
+                     "--set", "max_error_rate=0.5")
+    assert code == 0, text
+    rows = read_output(tmp_path / "out").to_pylist()
+    assert rows[0]["finish_reason"] != "error"
+    assert rows[1]["finish_reason"] == "error" and "system role not supported" in rows[1]["error"]
+
+
+def test_empty_and_failed_shards_keep_one_schema_and_eval_completes(tmp_path):
+    """A shard with no rows, and a shard where every row failed, still write the task's
+    columns with their types: the parts read back as one dataset, and metrics.json is written."""
+    import pyarrow.dataset as ds
+
+    rows = [{"prompt": "good", "opts": ["a", "b"], "answer": "a"}, {"prompt": "fine", "opts": ["b", "c"], "answer": "c"},
+            {"prompt": "bad", "opts": "not a list", "answer": "a"}, {"prompt": "worse", "opts": [], "answer": "b"}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n\n")  # blank lines: an empty last shard
+    code, text = run("--input", path, "--output", tmp_path / "out", "--set", "task=eval",
+                     "--set", "label.choices_column=opts", "--set", "eval.reference_column=answer",
+                     "--set", "eval.metrics=[accuracy]", "--set", "workers.rows_per_batch=2",
+                     "--set", "max_error_rate=1", "--set", "input.columns=[prompt]")
+    assert code == 0, text
+    assert len(list((tmp_path / "out" / "data").iterdir())) == 3
+    table = ds.dataset(tmp_path / "out" / "data", format="parquet").to_table()
+    import pyarrow as pa
+
+    assert pa.types.is_list(table.schema.field("label_probs").type)
+    assert table.schema.field("label_probs").type.value_type == pa.float64()
+    assert table.schema.field("score_accuracy").type == pa.float64()
+    assert "answer" in table.column_names  # kept for eval although input.columns leaves it out
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["rows"] == 4 and metrics["metrics"]["accuracy"]["count"] == 2
+    assert metrics["metrics"]["accuracy"]["unscored"] == 2

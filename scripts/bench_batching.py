@@ -239,7 +239,6 @@ def table(results: list[dict], header: str) -> str:
     by = {(r["workload"], r["mode"]): r for r in results}
     for key in dict.fromkeys(r["workload"] for r in results):
         base = by.get((key, BASELINE))
-        ref_tokens = base.get("tokens") if base else None
         for mode, name in MODES.items():
             r = by.get((key, mode))
             if r is None:
@@ -255,12 +254,17 @@ def table(results: list[dict], header: str) -> str:
                     if r.get("tpot") else "-")
             wasted = f"{r['wasted']:.1%}" if "wasted" in r else "-"
             kv = f"{r['peak_kv_bytes'] / 2**20:.0f}" if "peak_kv_bytes" in r else "-"
-            same = "-"
-            if ref_tokens and r.get("tokens"):
-                same = f"{sum(a == b for a, b in zip(r['tokens'], ref_tokens))}/{len(ref_tokens)}"
+            same = r.get("same_tokens") or "-"
             lines.append(f"| {key} | {name} | {r['seconds']:.1f} | {gen:.1f} | {total:.1f} | {ratio} | {ttft} | "
                          f"{tpot} | {wasted} | {r['peak_memory_bytes'] / 2**20:.0f} | {kv} | {same} |")
     return "\n".join(lines)
+
+
+def _agreement(r: dict, base: dict | None) -> str | None:
+    """'k/n': requests whose tokens equal the engine's one-at-a-time tokens."""
+    if not base or not base.get("tokens") or not r.get("tokens"):
+        return None
+    return f"{sum(a == b for a, b in zip(r['tokens'], base['tokens']))}/{len(base['tokens'])}"
 
 
 def plot(results: list[dict], path: Path) -> str | None:
@@ -274,16 +278,20 @@ def plot(results: list[dict], path: Path) -> str | None:
     keys = list(dict.fromkeys(r["workload"] for r in results))
     modes = [m for m in MODES if any(r["mode"] == m and "seconds" in r for r in results)]
     by = {(r["workload"], r["mode"]): r for r in results if "seconds" in r}
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / max(1, len(modes))
-    for j, mode in enumerate(modes):
-        xs = [i + j * width for i in range(len(keys))]
-        ys = [by[(k, mode)]["generated_tokens"] / by[(k, mode)]["seconds"] if (k, mode) in by else 0 for k in keys]
-        ax.bar(xs, ys, width, label=MODES[mode])
-    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(keys))])
-    ax.set_xticklabels([WORKLOADS[k][0] for k in keys], fontsize=8)
-    ax.set_ylabel("generated tokens / s")
-    ax.legend(fontsize=7)
+    for ax, (title, counted) in zip(axes, [("generated tokens / s", ("generated_tokens",)),
+                                           ("total (prompt + generated) tokens / s",
+                                            ("generated_tokens", "prompt_tokens"))]):
+        for j, mode in enumerate(modes):
+            xs = [i + j * width for i in range(len(keys))]
+            ys = [sum(by[(k, mode)][c] for c in counted) / by[(k, mode)]["seconds"] if (k, mode) in by else 0
+                  for k in keys]
+            ax.bar(xs, ys, width, label=MODES[mode])
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{k}) {WORKLOADS[k][0].split(':')[0]}" for k in keys], fontsize=8)
+        ax.set_ylabel(title)
+    axes[1].legend(fontsize=7, loc="upper left")  # the low bars of a) and b) leave room there
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return None
@@ -300,6 +308,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="a,b,c", type=lambda s: [w for w in s.split(",") if w])
     ap.add_argument("--skip", default="", type=lambda s: [w for w in s.split(",") if w],
                     help="mode prefixes to leave out, e.g. hf,ct2")
+    ap.add_argument("--replot", action="store_true", help="redo table.md and the plot from OUT/results.json")
     ap.add_argument("--measure", nargs=2, metavar=("MODE", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
@@ -313,16 +322,23 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    started = time.strftime("%Y-%m-%d %H:%M")
-    results = run_all(args)
-    header = (f"batching table, {started}: {args.model}, {args.dtype}, device {args.device}, {threads} threads"
-              f"{', --quick' if args.quick else ''}. Greedy, ignore_eos, all requests at t=0. Workloads: "
-              + "; ".join(f"{k}) {WORKLOADS[k][0]}" for k in args.workloads)
-              + ". 'same tokens' compares each request's tokens with the engine one-at-a-time.")
+    if args.replot:
+        saved = json.loads((out / "results.json").read_text())
+        header, results = saved["header"], saved["results"]
+    else:
+        results = run_all(args)
+        header = (f"batching table, {time.strftime('%Y-%m-%d %H:%M')}: {args.model}, {args.dtype}, "
+                  f"device {args.device}, {threads} threads{', --quick' if args.quick else ''}. Greedy, ignore_eos, "
+                  "all requests at t=0. Workloads: " + "; ".join(f"{k}) {WORKLOADS[k][0]}" for k in args.workloads)
+                  + ". 'same tokens' compares each request's tokens with the engine one-at-a-time.")
+        base = {r["workload"]: r for r in results if r["mode"] == BASELINE}
+        for r in results:  # agreement is computed now; the token lists themselves are not kept
+            r["same_tokens"] = _agreement(r, base.get(r["workload"]))
+        for r in results:
+            r.pop("tokens", None)
+        (out / "results.json").write_text(json.dumps({"header": header, "results": results}, indent=1))
     md = table(results, header)
     (out / "table.md").write_text(md + "\n")
-    (out / "results.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in results],
-                                                 indent=1))
     note = plot(results, out / "tokens_per_s.png")
     print()
     print(md)

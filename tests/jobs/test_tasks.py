@@ -191,6 +191,8 @@ def batch_lines():
         {"custom_id": "req-n", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "n": 2}},
         {"custom_id": "req-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "req-logprobs", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": chat["messages"], "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4}},
     ]
 
 
@@ -198,7 +200,8 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
-    assert [line["custom_id"] for line in lines] == ["req-chat", "req-text", "req-unknown", "req-n", "req-url"]
+    assert [line["custom_id"] for line in lines] == ["req-chat", "req-text", "req-unknown", "req-n", "req-url",
+                                                     "req-logprobs"]
     chat = ChatCompletion.model_validate(lines[0]["response"]["body"])
     assert chat.model == "my-model" and chat.usage.completion_tokens <= 5
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
@@ -213,6 +216,10 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     for line in failed:
         BatchError.model_validate(line["error"])
     assert errors == failed
+    with_logprobs = ChatCompletion.model_validate(lines[5]["response"]["body"])
+    tokens = with_logprobs.choices[0].logprobs.content
+    assert len(tokens) == with_logprobs.usage.completion_tokens <= 4
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
 
 
 def test_openai_batch_file_in_and_out(tmp_path):
@@ -226,8 +233,8 @@ def test_openai_batch_file_in_and_out(tmp_path):
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     check_batch_output(lines, errors)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["openai_batch"]["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
-    assert manifest["errors"] == 3 and "2 completed, 3 failed" in text
+    assert manifest["openai_batch"]["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
+    assert manifest["errors"] == 3 and "3 completed, 3 failed" in text
 
     # a rerun from scratch writes the same lines (ids are derived from custom_id)
     code, _ = run(*args, "--overwrite")

@@ -43,7 +43,6 @@ class Batch:
         self.started = 0.0
         self._text_rows: list[int] = []
         self._logprob_rows: list[int] = []
-        self._needs_penalties = False
         self._all: list[Sequence] = []  # every row that joined, for the statistics
 
     @property
@@ -83,13 +82,12 @@ class Batch:
         st.prefill_steps += 1
         self._all.extend(seqs)
         self._append_rows(seqs)
-        lens = self.prompt_lens[n:]
+        lens = self.lengths[n:]  # a new row's cache holds its prompt
         ids = torch.full((k, plen), self.tokenizer.pad_token_id, dtype=torch.int64)
         for i, s in enumerate(seqs):
             ids[i, : s.num_prompt_tokens] = torch.tensor(s.prompt_token_ids)
         cols = torch.arange(plen, device=self.device)[None, :].repeat(k, 1)
         mask = (cols < lens[:, None]).long()
-        self.lengths[n:] = lens
         self.cache.prefill(n)
         return ids.to(self.device), mask, cols, (lens - 1)[:, None]
 
@@ -117,7 +115,7 @@ class Batch:
             "max_tokens": col([s.params.max_tokens for s in seqs]),
             "min_tokens": col([s.params.min_tokens for s in seqs]),
             "steps": torch.zeros(k, dtype=torch.int64, device=d),
-            "lengths": torch.zeros(k, dtype=torch.int64, device=d),
+            "lengths": col([s.num_prompt_tokens for s in seqs]),  # cache columns filled, once prefilled
             "out": torch.full((k, max(s.params.max_tokens for s in seqs)), self.tokenizer.pad_token_id,
                               dtype=torch.int64, device=d),
             "stop_ids": self._stop_ids(seqs),
@@ -136,7 +134,7 @@ class Batch:
         """Penalty and min_tokens tables exist only while some row needs them."""
         n, k = self.num_rows, len(new)
         v = self.vocab_size
-        if self._needs_penalties or self.sampling.needs_penalties:
+        if self.output_counts is not None or self.sampling.needs_penalties:
             if self.output_counts is None:
                 self.output_counts = torch.zeros((n - k, v), dtype=torch.float32, device=self.device)
                 self.seen = torch.zeros((n - k, v), dtype=torch.bool, device=self.device)
@@ -150,11 +148,14 @@ class Batch:
                 seen[i, torch.tensor(s.prompt_token_ids, device=self.device)] = True
             self.output_counts = torch.cat([self.output_counts, torch.zeros((k, v), device=self.device)])
             self.seen = torch.cat([self.seen, seen])
-            self._needs_penalties = True
         if bool((self.min_tokens > 0).any()):
             self.banned = self._banned_table(self.stop_ids)
         else:
             self.banned = None
+        self._index_python_rows()
+
+    def _index_python_rows(self) -> None:
+        """Rows that need per-row Python work each step: stop strings, logprobs."""
         self._text_rows = [i for i, s in enumerate(self.seqs) if s.params.stop]
         self._logprob_rows = [i for i, s in enumerate(self.seqs) if s.params.logprobs is not None]
 
@@ -202,7 +203,8 @@ class Batch:
         hit_length = self.steps[idx] >= self.max_tokens[idx]
         first = idx[0].item() if len(idx) else 0
         stop_texts = self._check_stop_strings([i for i in self._text_rows if first <= i < first + len(idx)])
-        finished_rows = sorted(set((idx[hit_stop_id | hit_length]).tolist()) | set(stop_texts))
+        stopped_by_id = set(idx[hit_stop_id].tolist())
+        finished_rows = sorted(stopped_by_id | set(idx[hit_length].tolist()) | set(stop_texts))
         finished = []
         for i in finished_rows:
             seq = self.seqs[i]
@@ -213,7 +215,7 @@ class Batch:
                 text = self.tokenizer.decode(out)
                 seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
                 seq.finish("stop", stop)
-            elif out[-1] in self._stop_set(i):
+            elif i in stopped_by_id:
                 last = out[-1]
                 eos = last in self.tokenizer.eos_token_ids
                 seq.text = self.tokenizer.decode(out if eos else out[:-1])
@@ -226,9 +228,6 @@ class Batch:
         if finished_rows:
             self._remove(finished_rows)
         return finished
-
-    def _stop_set(self, row: int) -> set[int]:
-        return {t for t in self.stop_ids[row].tolist() if t >= 0}
 
     def _remove(self, dead: list[int]) -> None:
         """Drops rows `dead`: live rows from the end move into the holes, so live rows stay [0, m)."""
@@ -249,8 +248,7 @@ class Batch:
         self.sampling = self.sampling.select(keep)
         self.seqs = [self.seqs[i] for i in order]
         self._widths = [self._widths[i] for i in order]
-        self._text_rows = [i for i, s in enumerate(self.seqs) if s.params.stop]
-        self._logprob_rows = [i for i, s in enumerate(self.seqs) if s.params.logprobs is not None]
+        self._index_python_rows()
         self.stats.compactions += 1
 
     def finish_stats(self) -> BatchStats:

@@ -59,7 +59,7 @@ class ModelRunner:
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_position_embeddings: int | None = (
             getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
-        self.packed_lm_head = pack_lm_head(self.model, self.device, self.dtype)
+        pack_lm_head(self.model, self.device, self.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -75,23 +75,24 @@ class ModelRunner:
             return set()
         return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
+    def _kwargs(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> dict:
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = position_ids
+        return kwargs
+
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                cache: KVCache) -> torch.Tensor:
         """Like `forward`, but the logits of every position: (B, S, V) in the model's dtype."""
-        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
-        if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids
-        return self.model(input_ids=input_ids, **kwargs).logits
+        return self.model(input_ids=input_ids, **self._kwargs(attention_mask, position_ids, cache)).logits
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids (B, S); attention_mask (B, cached + S) -> logits (B, V) float32
         at column `last` (B, 1) of each row (default: the final column)."""
-        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
-        if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids
+        kwargs = self._kwargs(attention_mask, position_ids, cache)
         if self._takes_logits_to_keep:
             # Only the sampled positions go through the LM head.
             kwargs["logits_to_keep"] = 1 if last is None else last

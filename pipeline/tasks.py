@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from engine import LLMEngine, SamplingParams
 from pipeline import metrics as M
-from pipeline.openai_batch import BatchRequest, parse_request, unknown_fields_error
+from pipeline.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request, unknown_fields_error
 from pipeline.prompts import PromptBuilder
 
 BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
@@ -211,6 +211,4 @@ def _softmax(logprobs: list[float]) -> list[float]:
 
 def request_for(row_id: str, chat: bool) -> BatchRequest:
     """An OpenAI request stand-in for rows that did not come from an OpenAI Batch file."""
-    from pipeline.openai_batch import CHAT_URL, COMPLETIONS_URL
-
     return BatchRequest(custom_id=row_id, url=CHAT_URL if chat else COMPLETIONS_URL)

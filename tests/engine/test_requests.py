@@ -177,3 +177,21 @@ def test_continuous_mode_fails_bad_requests_alone():
     outs = llm.generate(["fine", "x" * 100, "", "also fine"], SamplingParams(max_tokens=8, temperature=0))
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "length"]
     assert "max_batch_tokens (64)" in outs[1].error and "empty prompt" in outs[2].error
+
+
+def test_prefill_cap_defaults_to_1024_tokens_on_cpu_and_can_be_set():
+    assert LLMEngine(EngineConfig(model="builtin:tiny", device="cpu")).scheduler.max_prefill_tokens == 1024
+    small = LLMEngine(EngineConfig(model="builtin:tiny", device="cpu", max_batch_tokens=512))
+    assert small.scheduler.max_prefill_tokens == 512  # never above the KV budget
+    assert LLMEngine(EngineConfig(model="builtin:tiny", max_prefill_tokens=300)).scheduler.max_prefill_tokens == 300
+
+
+def test_requests_record_first_token_and_finish_times():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_num_seqs=2, scheduling="continuous"))
+    seqs = [llm.add_request(f"p{i}", SamplingParams(max_tokens=3 + i, temperature=0, ignore_eos=True))
+            for i in range(4)]
+    while llm.has_unfinished():
+        llm.step()
+    assert all(s.first_token_time is not None and s.first_token_time <= s.finish_time for s in seqs)
+    # longest first: requests 3 and 2 fill both rows; request 0 joins only after one of them ends
+    assert seqs[0].first_token_time >= min(seqs[2].finish_time, seqs[3].finish_time)

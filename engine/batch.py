@@ -1,49 +1,54 @@
-"""The running batch: rows sharing one slot-addressed KV cache, progress kept as tensors.
+"""The running batch: its rows' state as device tensors in the KV pool's slot order.
 
-Rows join through a prefill (their prompts, right-padded, written into free slots) and leave as
-soon as they finish: the last live rows move into the freed slots, so live rows always occupy
-slots [0, n) and a decode step computes only live rows. Static scheduling fills the batch once
-and lets it drain; continuous scheduling refills freed slots at once.
+Rows join through a prefill into free slots [n, n + k) and leave as soon as they finish: the
+last live rows move into the freed slots, so live rows always occupy slots [0, n) and a decode
+step computes only live rows. Every per-row value the device needs (last token, length, steps,
+limits, stop ids, sampling settings, penalty counts) lives in a tensor with one row per slot,
+updated in place; the host keeps numpy mirrors of what its bookkeeping needs (lengths, steps,
+output tokens), fed by one transfer per step: the sampled tokens and the finish flags.
+Per-row Python runs only for rows that finish, have stop strings or want logprobs.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
 from engine.outputs import BatchStats
-from engine.sampler import SamplingTensors
+from engine.sampler import SamplingFlags, SamplingTensors
 from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer, find_stop
+from engine.tokenizer import StopStringChecker, Tokenizer, find_stop
 
-# Per-row tensors, all aligned with self.seqs (first dimension = rows).
-ROW_TENSORS = ("prompt_lens", "max_tokens", "min_tokens", "steps", "lengths", "out", "stop_ids", "banned",
-               "output_counts", "seen")
+# Device tensors with one row per slot (first dimension = slots).
+ROW_TENSORS = ("last", "lengths", "steps", "max_tokens", "min_tokens", "stop_ids", "output_counts", "seen", "banned")
+FEATURES = ("greedy", "min_p", "top_k", "top_p", "penalties", "logprobs", "min_tokens")
 
 
 class Batch:
-    """`rows_hint` slots are allocated on first use when the budget allows (continuous mode keeps
-    room to refill); the cache grows or narrows only when admitted rows need it."""
+    """Live rows are slots [0, num_rows) of the KV pool's layout."""
 
-    def __init__(self, tokenizer: Tokenizer, runner, max_batch_tokens: int, rows_hint: int = 1):
+    def __init__(self, tokenizer: Tokenizer, device: torch.device, vocab_size: int, cache: KVCache):
         self.tokenizer = tokenizer
-        self.runner = runner
-        self.device = runner.device
-        self.vocab_size = runner.vocab_size
-        self.max_batch_tokens = max_batch_tokens
-        self.rows_hint = rows_hint
-        self.cache: KVCache | None = None
+        self.device = device
+        self.vocab_size = vocab_size
+        self.cache = cache
         self.seqs: list[Sequence] = []
-        self._widths: list[int] = []  # prompt + max_tokens of each row: the columns it may fill
-        self.sampling: SamplingTensors | None = None
+        self.slots = 0
         for name in ROW_TENSORS:
             setattr(self, name, None)
+        self.sampling: SamplingTensors | None = None
+        self.h_lengths = np.zeros(0, dtype=np.int64)  # host mirror of `lengths`
+        self.h_steps = np.zeros(0, dtype=np.int64)  # host mirror of `steps`
+        self.out = np.zeros((0, 1), dtype=np.int64)  # (slots, widest max_tokens): output tokens
+        self._features = dict.fromkeys(FEATURES, 0)  # rows using each sampling feature
+        self.flags = SamplingFlags()
+        self._text_rows: list[int] = []
+        self._widest = 0
         self.stats: BatchStats | None = None
         self.started = 0.0
-        self._text_rows: list[int] = []
-        self._logprob_rows: list[int] = []
-        self._all: list[Sequence] = []  # every row that joined, for the statistics
+        self._all: list[Sequence] = []
 
     @property
     def num_rows(self) -> int:
@@ -52,182 +57,200 @@ class Batch:
     @property
     def widest(self) -> int:
         """Columns the widest live row may fill (0 when empty)."""
-        return max(self._widths, default=0)
+        return self._widest
 
     @property
     def empty(self) -> bool:
         return not self.seqs
 
+    def max_length(self) -> int:
+        """Cache columns the longest live row has filled (known on the host: no sync)."""
+        return int(self.h_lengths[: self.num_rows].max()) if self.seqs else 0
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def set_layout(self, slots: int, width: int) -> None:
+        """Lays the KV pool out as `slots` x `width`, keeping the live rows and their state."""
+        n = self.num_rows
+        self.cache.set_layout(slots, width, keep_rows=n, keep_width=self.max_length(), device=self.device)
+        if slots == self.slots:
+            return
+        for name in ROW_TENSORS:
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, _resized(old, slots, n))
+        self.sampling = _resized_sampling(self.sampling, slots, n, self.device)
+        self.h_lengths = _resized(self.h_lengths, slots, n)
+        self.h_steps = _resized(self.h_steps, slots, n)
+        self.out = _resized(self.out, slots, n)
+        self.slots = slots
+        if self.last is None:
+            for name in ("last", "lengths", "steps", "max_tokens", "min_tokens"):
+                setattr(self, name, torch.zeros(slots, dtype=torch.int64, device=self.device))
+            self.stop_ids = torch.full((slots, 1), -1, dtype=torch.int64, device=self.device)
+
     # -- joining ------------------------------------------------------------------------------
 
-    def prefill_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """Adds `seqs` as rows [n, n + k) and returns their prefill inputs:
-        (input_ids, attention_mask, position_ids) each (k, P), right-padded, and last (k, 1): the
-        column of each row's last prompt token, whose logits pick its first token."""
+    def join(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds `seqs` as rows [n, n + k). Returns their prefill inputs: input_ids (k, P),
+        right-padded, and lengths (k,) (each row's prompt length)."""
         n, k = self.num_rows, len(seqs)
-        plen = max(s.num_prompt_tokens for s in seqs)
-        self._reserve(n + k, max(self.widest, *(s.max_len for s in seqs)))
-        if self.stats is None:
-            self.stats = BatchStats(rows=0, max_prompt_len=0, max_new_tokens=0, reserved_tokens=0,
-                                    prompt_tokens=0, padded_prompt_tokens=0)
-            self.started = time.perf_counter()
-        st = self.stats
-        st.rows += k
-        st.peak_rows = max(st.peak_rows, n + k)
-        st.max_prompt_len = max(st.max_prompt_len, plen)
-        st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in seqs))
-        st.reserved_tokens = max(st.reserved_tokens, self.cache.tokens)
-        st.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
-        st.padded_prompt_tokens += k * plen
-        st.prefill_steps += 1
-        self._all.extend(seqs)
-        self._append_rows(seqs)
-        lens = self.lengths[n:]  # a new row's cache holds its prompt
-        ids = torch.full((k, plen), self.tokenizer.pad_token_id, dtype=torch.int64)
+        if n + k > self.slots:
+            raise RuntimeError(f"{n + k} rows do not fit the KV layout's {self.slots} slots")
+        self._start_stats(seqs)
+        rows = slice(n, n + k)
+        plens = [s.num_prompt_tokens for s in seqs]
+        ids = torch.full((k, max(plens)), self.tokenizer.pad_token_id, dtype=torch.int64)
         for i, s in enumerate(seqs):
-            ids[i, : s.num_prompt_tokens] = torch.tensor(s.prompt_token_ids)
-        cols = torch.arange(plen, device=self.device)[None, :].repeat(k, 1)
-        mask = (cols < lens[:, None]).long()
-        self.cache.prefill(n)
-        return ids.to(self.device), mask, cols, (lens - 1)[:, None]
-
-    def _reserve(self, rows: int, width: int) -> None:
-        """Makes room for `rows` rows of `width` columns, keeping the live rows."""
-        cache = self.cache
-        if cache is not None and cache.rows >= rows and cache.width >= width:
-            return
-        spare = max(rows, min(self.rows_hint, self.max_batch_tokens // width))
-        if cache is None:
-            self.cache = KVCache(self.runner.num_layers, spare, width)
-        else:
-            cache.resize(spare, width, keep_rows=self.num_rows, keep_width=int(self.lengths.max()) if self.seqs else 0)
-            self.stats.resizes += 1
-
-    def _append_rows(self, seqs: list[Sequence]) -> None:
-        d = self.device
-
-        def col(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=d)
-
-        k = len(seqs)
-        new = {
-            "prompt_lens": col([s.num_prompt_tokens for s in seqs]),
-            "max_tokens": col([s.params.max_tokens for s in seqs]),
-            "min_tokens": col([s.params.min_tokens for s in seqs]),
-            "steps": torch.zeros(k, dtype=torch.int64, device=d),
-            "lengths": col([s.num_prompt_tokens for s in seqs]),  # cache columns filled, once prefilled
-            "out": torch.full((k, max(s.params.max_tokens for s in seqs)), self.tokenizer.pad_token_id,
-                              dtype=torch.int64, device=d),
-            "stop_ids": self._stop_ids(seqs),
-        }
-        for name, value in new.items():
-            old = getattr(self, name)
-            setattr(self, name, value if old is None else _cat_padded(old, value, pad=-1 if name == "stop_ids"
-                                                                     else self.tokenizer.pad_token_id))
-        sampling = SamplingTensors.from_sequences(seqs, d)
-        self.sampling = sampling if self.sampling is None else self.sampling.cat(sampling)
+            ids[i, : plens[i]] = torch.tensor(s.prompt_token_ids)
+        # one host->device copy for the integer row state
+        ints = torch.tensor([[p, s.params.max_tokens, s.params.min_tokens] for p, s in zip(plens, seqs)],
+                            dtype=torch.int64).to(self.device)
+        self.lengths[rows], self.max_tokens[rows], self.min_tokens[rows] = ints.unbind(1)
+        self.steps[rows] = 0
+        self._write_stop_ids(rows, seqs)
+        self.sampling.write(n, SamplingTensors.from_sequences(seqs, self.device))
+        self.h_lengths[rows] = plens
+        self.h_steps[rows] = 0
+        widest_out = max(s.params.max_tokens for s in seqs)
+        if widest_out > self.out.shape[1]:
+            self.out = np.pad(self.out, ((0, 0), (0, widest_out - self.out.shape[1])))
+        for s in seqs:
+            if s.params.stop:
+                s.stop_checker = StopStringChecker(self.tokenizer, s.params.stop)
         self.seqs = self.seqs + list(seqs)
-        self._widths += [s.max_len for s in seqs]
-        self._sync_optional_state(seqs)
+        self._count_features(seqs, +1)
+        self._write_optional_state(rows, seqs)
+        return ids.to(self.device), ints[:, 0]
 
-    def _sync_optional_state(self, new: list[Sequence]) -> None:
-        """Penalty and min_tokens tables exist only while some row needs them."""
-        n, k = self.num_rows, len(new)
+    def _write_stop_ids(self, rows: slice, seqs: list[Sequence]) -> None:
+        eos = set(self.tokenizer.eos_token_ids)
+        lists = [sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else eos)) for s in seqs]
+        width = max(1, max(len(ids) for ids in lists))
+        if width > self.stop_ids.shape[1]:
+            self.stop_ids = torch.nn.functional.pad(self.stop_ids, (0, width - self.stop_ids.shape[1]), value=-1)
+        table = torch.full((len(seqs), self.stop_ids.shape[1]), -1, dtype=torch.int64)
+        for i, ids in enumerate(lists):
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        self.stop_ids[rows] = table.to(self.device)
+
+    def _write_optional_state(self, rows: slice, seqs: list[Sequence]) -> None:
+        """Penalty and min_tokens tables exist once some row needs them. Rows that joined before
+        need no history in them: their neutral settings make their counts irrelevant."""
         v = self.vocab_size
-        if self.output_counts is not None or self.sampling.needs_penalties:
+        if self.flags.penalties:
             if self.output_counts is None:
-                self.output_counts = torch.zeros((n - k, v), dtype=torch.float32, device=self.device)
-                self.seen = torch.zeros((n - k, v), dtype=torch.bool, device=self.device)
-                for i, s in enumerate(self.seqs[: n - k]):  # rows already running: prompt + output so far
-                    self.seen[i, torch.tensor(s.prompt_token_ids + self.out[i, : int(self.steps[i])].tolist(),
-                                              device=self.device)] = True
-                    self.output_counts[i].index_add_(0, self.out[i, : int(self.steps[i])],
-                                                     torch.ones(int(self.steps[i]), device=self.device))
-            seen = torch.zeros((k, v), dtype=torch.bool, device=self.device)
-            for i, s in enumerate(new):
-                seen[i, torch.tensor(s.prompt_token_ids, device=self.device)] = True
-            self.output_counts = torch.cat([self.output_counts, torch.zeros((k, v), device=self.device)])
-            self.seen = torch.cat([self.seen, seen])
-        if bool((self.min_tokens > 0).any()):
-            self.banned = self._banned_table(self.stop_ids)
-        else:
-            self.banned = None
-        self._index_python_rows()
+                self.output_counts = torch.zeros((self.slots, v), dtype=torch.float32, device=self.device)
+                self.seen = torch.zeros((self.slots, v), dtype=torch.bool, device=self.device)
+            self.output_counts[rows] = 0
+            seen = torch.zeros((len(seqs), v), dtype=torch.bool)
+            for i, s in enumerate(seqs):
+                seen[i, torch.tensor(s.prompt_token_ids)] = True
+            self.seen[rows] = seen.to(self.device)
+        if self.flags.min_tokens:
+            if self.banned is None:
+                self.banned = torch.zeros((self.slots, v), dtype=torch.bool, device=self.device)
+            stop = self.stop_ids[rows]
+            banned = torch.zeros((len(seqs), v + 1), dtype=torch.bool, device=self.device)
+            banned.scatter_(1, torch.where(stop >= 0, stop, v).clamp(max=v), True)  # -1 -> the spare column
+            self.banned[rows] = banned[:, :v]
 
-    def _index_python_rows(self) -> None:
-        """Rows that need per-row Python work each step: stop strings, logprobs."""
-        self._text_rows = [i for i, s in enumerate(self.seqs) if s.params.stop]
-        self._logprob_rows = [i for i, s in enumerate(self.seqs) if s.params.logprobs is not None]
+    def _count_features(self, seqs: list[Sequence], sign: int) -> None:
+        for s in seqs:
+            for name in _features(s):
+                self._features[name] += sign
+        self._widest = max((s.max_len for s in self.seqs), default=0)
+        f, n = self._features, self.num_rows
+        self.flags = SamplingFlags(all_greedy=f["greedy"] == n, min_p=f["min_p"] > 0, top_k=f["top_k"] > 0,
+                                   top_p=f["top_p"] > 0, penalties=f["penalties"] > 0,
+                                   logprobs=f["logprobs"] > 0, min_tokens=f["min_tokens"] > 0)
+        self._text_rows = [i for i, s in enumerate(self.seqs) if s.stop_checker] if any(
+            s.params.stop for s in seqs) or self._text_rows else []
 
-    # -- decoding -----------------------------------------------------------------------------
-
-    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(last tokens (n, 1), attention_mask (n, width), positions (n, 1)): each row feeds its
-        last token at its own length."""
-        last = self.out.gather(1, (self.steps - 1)[:, None])
-        width = int(self.lengths.max()) + 1
-        mask = (torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]).long()
-        self.cache.decode(self.lengths, width)
-        self.stats.decode_steps += 1
-        self.stats.computed_rows += self.num_rows
-        return last, mask, self.lengths[:, None]
+    # -- sampling and recording ---------------------------------------------------------------
 
     def sampler_inputs(self, rows: slice) -> dict:
-        """The sampler's per-row inputs for `rows`."""
-        idx = torch.arange(self.num_rows, device=self.device)[rows]
+        """The sampler's per-row inputs for `rows` (views: no copies)."""
         banned = None
-        if self.banned is not None:
+        if self.banned is not None and self.flags.min_tokens:
             banned = self.banned[rows] & (self.steps[rows] < self.min_tokens[rows])[:, None]
-        return {"st": self.sampling.select(idx), "steps": self.steps[rows],
-                "output_counts": None if self.output_counts is None else self.output_counts[rows],
-                "seen": None if self.seen is None else self.seen[rows], "banned": banned}
+        penalties = self.flags.penalties
+        return {"st": self.sampling.rows(rows), "flags": self.flags, "steps": self.steps[rows],
+                "output_counts": self.output_counts[rows] if penalties else None,
+                "seen": self.seen[rows] if penalties else None, "banned": banned}
 
-    def record(self, rows: slice, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> list[Sequence]:
-        """Stores the new token of each row in `rows` (a prefill group, or all rows after a
-        decode); finished rows leave the batch. Returns the sequences that finished."""
-        now = time.perf_counter()
-        idx = torch.arange(self.num_rows, device=self.device)[rows]
-        if rows != slice(None):  # a prefill: these rows' first tokens
-            for seq in self.seqs[rows]:
-                seq.first_token_time = now
-        self.out[idx, self.steps[idx]] = tokens
-        self.steps[idx] += 1
-        if rows == slice(None):
-            self.lengths += 1  # the decoded token is now in the cache
-        if self.output_counts is not None:
+    def record(self, rows: slice, tokens: torch.Tensor, logprobs: torch.Tensor | None,
+               decode: bool) -> list[Sequence]:
+        """Stores each row's new token, on the device and (through one transfer) on the host;
+        finished rows leave the batch. Returns the sequences that finished."""
+        a, b = rows.start, rows.stop
+        self.last[rows] = tokens
+        self.steps[rows] += 1
+        if decode:
+            self.lengths[rows] += 1  # the token fed this step is now in the cache
+        if self.flags.penalties:
+            idx = torch.arange(a, b, device=self.device)
             self.output_counts[idx, tokens] += 1
             self.seen[idx, tokens] = True
+        done = (tokens[:, None] == self.stop_ids[rows]).any(dim=1) | (self.steps[rows] >= self.max_tokens[rows])
+        host = torch.stack([tokens, done.long()]).cpu().numpy()  # the step's one device->host transfer
+        now = time.perf_counter()
+        self.out[np.arange(a, b), self.h_steps[a:b]] = host[0]
+        self.h_steps[a:b] += 1
+        if decode:
+            self.h_lengths[a:b] += 1
+        else:
+            for seq in self.seqs[a:b]:
+                seq.first_token_time = now
         if logprobs is not None:
-            self._record_logprobs(idx, tokens, logprobs)
-        hit_stop_id = (tokens[:, None] == self.stop_ids[idx]).any(dim=1)
-        hit_length = self.steps[idx] >= self.max_tokens[idx]
-        first = idx[0].item() if len(idx) else 0
-        stop_texts = self._check_stop_strings([i for i in self._text_rows if first <= i < first + len(idx)])
-        stopped_by_id = set(idx[hit_stop_id].tolist())
-        finished_rows = sorted(stopped_by_id | set(idx[hit_length].tolist()) | set(stop_texts))
-        finished = []
-        for i in finished_rows:
+            self._record_logprobs(a, b, tokens, logprobs)
+        finished = set((np.flatnonzero(host[1]) + a).tolist())
+        finished |= {i for i in self._text_rows if a <= i < b and self.seqs[i].stop_checker.add(
+            self.out[i, : self.h_steps[i]].tolist())}
+        seqs = [self._finish(i, now) for i in sorted(finished)]
+        if finished:
+            self._remove(sorted(finished))
+        return seqs
+
+    def _finish(self, i: int, now: float) -> Sequence:
+        seq = self.seqs[i]
+        out = self.out[i, : self.h_steps[i]].tolist()
+        seq.output_token_ids = out
+        text = self.tokenizer.decode(out)
+        hit = find_stop(text, seq.params.stop) if seq.params.stop else None
+        if hit is not None:
+            at, stop = hit
+            seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+            seq.finish("stop", stop)
+        elif _is_stop_id(self, seq, out[-1]):
+            last = out[-1]
+            eos = last in self.tokenizer.eos_token_ids and not seq.params.ignore_eos
+            seq.text = text if eos else self.tokenizer.decode(out[:-1])
+            seq.finish("stop", None if eos else last)
+        else:
+            seq.text = text
+            seq.finish("length")
+        seq.stop_checker = None
+        seq.finish_time = now
+        return seq
+
+    def _record_logprobs(self, a: int, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Rows that asked for logprobs: the chosen token's and the top-N (an opt-in extra transfer)."""
+        rows = [i for i in range(a, b) if self.seqs[i].params.logprobs is not None]
+        top_n = max(self.seqs[i].params.logprobs for i in rows)
+        local = torch.tensor([i - a for i in rows], device=logprobs.device)
+        chosen = logprobs[local].gather(1, tokens[local][:, None])[:, 0].tolist()
+        top = logprobs[local].topk(max(top_n, 1)) if top_n else None
+        top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+        for j, i in enumerate(rows):
             seq = self.seqs[i]
-            out = self.out[i, : int(self.steps[i])].tolist()
-            seq.output_token_ids = out
-            if i in stop_texts:
-                at, stop = stop_texts[i]
-                text = self.tokenizer.decode(out)
-                seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
-                seq.finish("stop", stop)
-            elif i in stopped_by_id:
-                last = out[-1]
-                eos = last in self.tokenizer.eos_token_ids
-                seq.text = self.tokenizer.decode(out if eos else out[:-1])
-                seq.finish("stop", None if eos else last)
-            else:
-                seq.text = self.tokenizer.decode(out)
-                seq.finish("length")
-            seq.finish_time = now
-            finished.append(seq)
-        if finished_rows:
-            self._remove(finished_rows)
-        return finished
+            n = seq.params.logprobs
+            entry = {int(self.out[i, self.h_steps[i] - 1]): chosen[j]}
+            if n:
+                entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
+            seq.logprobs = (seq.logprobs or []) + [entry]
+
+    # -- leaving ------------------------------------------------------------------------------
 
     def _remove(self, dead: list[int]) -> None:
         """Drops rows `dead`: live rows from the end move into the holes, so live rows stay [0, m)."""
@@ -236,75 +259,82 @@ class Batch:
         m = n - len(dead)
         holes = [i for i in dead if i < m]
         movers = [i for i in range(m, n) if i not in dead_set]
+        gone = [self.seqs[i] for i in dead]
+        if holes:
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            self.cache.move_rows(src, dst)
+            for name in ROW_TENSORS:
+                t = getattr(self, name)
+                if t is not None:
+                    t[dst] = t[src]
+            self.sampling.move(src, dst)
+            for arr in (self.h_lengths, self.h_steps, self.out):
+                arr[holes] = arr[movers]
         order = list(range(m))
         for hole, mover in zip(holes, movers):
             order[hole] = mover
-        self.cache.move_rows(movers, holes)
-        keep = torch.tensor(order, dtype=torch.int64, device=self.device)
-        for name in ROW_TENSORS:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value.index_select(0, keep))
-        self.sampling = self.sampling.select(keep)
         self.seqs = [self.seqs[i] for i in order]
-        self._widths = [self._widths[i] for i in order]
-        self._index_python_rows()
+        self._count_features(gone, -1)
         self.stats.compactions += 1
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def _start_stats(self, seqs: list[Sequence]) -> None:
+        if self.stats is None:
+            self.stats = BatchStats(rows=0, max_prompt_len=0, max_new_tokens=0, reserved_tokens=0,
+                                    prompt_tokens=0, padded_prompt_tokens=0)
+            self.started = time.perf_counter()
+            self._all = []
+        st, k = self.stats, len(seqs)
+        plen = max(s.num_prompt_tokens for s in seqs)
+        st.rows += k
+        st.peak_rows = max(st.peak_rows, self.num_rows + k)
+        st.max_prompt_len = max(st.max_prompt_len, plen)
+        st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in seqs))
+        st.reserved_tokens = max(st.reserved_tokens, (self.num_rows + k) * max(self.widest, *(s.max_len for s in seqs)))
+        st.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
+        st.padded_prompt_tokens += k * plen
+        st.prefill_steps += 1
+        self._all.extend(seqs)
+
+    def count_decode(self) -> None:
+        self.stats.decode_steps += 1
+        self.stats.computed_rows += self.num_rows
 
     def finish_stats(self) -> BatchStats:
         """Closes the statistics of the rows that went through since the batch was last empty."""
-        st = self.stats
+        st, self.stats = self.stats, None
         st.generated_tokens = sum(s.num_output_tokens for s in self._all)
         st.seconds = time.perf_counter() - self.started
         return st
 
-    # -- helpers ------------------------------------------------------------------------------
 
-    def _stop_ids(self, seqs: list[Sequence]) -> torch.Tensor:
-        lists = [sorted(set(s.params.stop_token_ids)
-                        | (set() if s.params.ignore_eos else set(self.tokenizer.eos_token_ids))) for s in seqs]
-        width = max(1, max(len(ids) for ids in lists))
-        table = torch.full((len(seqs), width), -1, dtype=torch.int64)
-        for i, ids in enumerate(lists):
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        return table.to(self.device)
-
-    def _banned_table(self, stop_ids: torch.Tensor) -> torch.Tensor:
-        """(n, V) bool: each row's stop tokens (banned while it has fewer than min_tokens)."""
-        v = self.vocab_size
-        banned = torch.zeros((stop_ids.shape[0], v + 1), dtype=torch.bool, device=self.device)
-        banned.scatter_(1, torch.where(stop_ids >= 0, stop_ids, v).clamp(max=v), True)  # -1 -> the spare column
-        return banned[:, :v].contiguous()
-
-    def _check_stop_strings(self, rows: list[int]) -> dict[int, tuple[int, str]]:
-        """Rows whose text now holds one of their stop strings: {row: (char index, stop)}."""
-        hits = {}
-        for i in rows:
-            text = self.tokenizer.decode(self.out[i, : int(self.steps[i])].tolist())
-            hit = find_stop(text, self.seqs[i].params.stop)
-            if hit is not None:
-                hits[i] = hit
-        return hits
-
-    def _record_logprobs(self, idx: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        first = int(idx[0]) if len(idx) else 0
-        for i in self._logprob_rows:
-            j = i - first
-            if not 0 <= j < len(idx):
-                continue
-            seq = self.seqs[i]
-            tok = int(tokens[j])
-            entry = {tok: float(logprobs[j, tok])}
-            if seq.params.logprobs:
-                top = logprobs[j].topk(seq.params.logprobs)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
-            seq.logprobs = (seq.logprobs or []) + [entry]
+def _features(seq: Sequence) -> list[str]:
+    p = seq.params
+    flags = {"greedy": p.temperature == 0, "min_p": p.min_p > 0, "top_k": p.top_k > 0, "top_p": p.top_p < 1,
+             "penalties": p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0,
+             "logprobs": p.logprobs is not None, "min_tokens": p.min_tokens > 0}
+    return [name for name, on in flags.items() if on]
 
 
-def _cat_padded(a: torch.Tensor, b: torch.Tensor, pad: int) -> torch.Tensor:
-    """Rows of a then b; 2-D tensors are right-padded with `pad` to the wider of the two."""
-    if a.dim() == 2 and a.shape[1] != b.shape[1]:
-        w = max(a.shape[1], b.shape[1])
-        a = torch.nn.functional.pad(a, (0, w - a.shape[1]), value=pad)
-        b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=pad)
-    return torch.cat([a, b])
+def _is_stop_id(batch: Batch, seq: Sequence, token: int) -> bool:
+    return token in seq.params.stop_token_ids or (token in batch.tokenizer.eos_token_ids and not seq.params.ignore_eos)
+
+
+def _resized(old, slots: int, keep: int):
+    """`old` (a tensor or numpy array, rows first) with `slots` rows, its first `keep` kept."""
+    if isinstance(old, np.ndarray):
+        new = np.zeros((slots, *old.shape[1:]), dtype=old.dtype)
+    else:
+        fill = -1 if old.dtype == torch.int64 and old.dim() == 2 else 0  # stop_ids: -1 = no id
+        new = old.new_full((slots, *old.shape[1:]), fill)
+    new[:keep] = old[:keep]
+    return new
+
+
+def _resized_sampling(old: SamplingTensors | None, slots: int, keep: int, device) -> SamplingTensors:
+    new = SamplingTensors.empty(slots, device)
+    if old is not None and keep:
+        new.write(0, old.rows(slice(0, keep)))
+    return new

@@ -27,6 +27,8 @@ class EngineConfig:
     """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
     max_prefill_tokens: int | None = None
     """Most prompt tokens (rows x longest prompt) prefilled in one forward pass (a longer prompt runs alone); None = 1024 on CPU, max_batch_tokens on GPU."""
+    enforce_eager: bool = False
+    """Run decode steps eagerly; by default on CUDA they replay CUDA graphs captured per batch-size bucket (vLLM's name)."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
     allow_pickle: bool = False

@@ -1,18 +1,19 @@
-"""A slot-addressed KV cache plugged into transformers' Cache interface.
+"""The KV pool: one buffer per layer, allocated once, seen through a slot layout.
 
-Each running sequence owns one row ("slot") of a (rows, heads, width, head_dim) buffer per
-layer and fills it left to right from column 0, so a token's column is its position. Two kinds
-of forward pass write into it:
+Each layer's keys and values live in a flat buffer of `capacity` token slots (sized from
+max_batch_tokens), allocated on the first forward pass and never again. A batch sees it as
+`rows` slots of `width` columns, a (rows, heads, width, head_dim) view: each running sequence
+owns one slot and fills it left to right from column 0, so a token's column is its position.
+The layout changes only between batches or when a wider row joins (then the live columns are
+moved, in place); buffers, addresses and so CUDA graphs captured for a layout stay valid.
 
-- prefill: new sequences' prompts, right-padded, written into a block of free rows (or, for
-  choice scoring, continuations written after a shared prompt);
+Two kinds of forward pass write into it:
+- prefill: new rows' prompts, right-padded, into a block of free slots (or, for choice
+  scoring, continuations written after a shared prompt);
 - decode: one token per running row, each written at that row's own length.
 
-Attention sees a view of the filled columns, and the attention mask hides each row's columns
-beyond its own length. Buffers start zeroed: masked columns must hold finite values, since
-attention multiplies them by a zero weight (uninitialized memory can hold NaN).
-transformers' DynamicCache instead concatenates every step (a full copy
-of the cache per token) and cannot give rows different lengths.
+Attention sees a view of the slots (no copy); the caller's 4-D attention mask hides each row's
+columns beyond its own length. Buffers start zeroed: masked columns must hold finite values.
 """
 from __future__ import annotations
 
@@ -29,13 +30,25 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, owner: "KVCache"):
         super().__init__()
         self.owner = owner
+        self.flat_keys: torch.Tensor | None = None  # (capacity * heads * head_dim,)
+        self.flat_values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, h, _, dk = key_states.shape
         self.device = key_states.device
-        self.keys = key_states.new_zeros((self.owner.rows, h, self.owner.width, dk))
-        self.values = value_states.new_zeros((self.owner.rows, h, self.owner.width, value_states.shape[-1]))
+        self.flat_keys = key_states.new_zeros(self.owner.capacity * h * dk)
+        self.flat_values = value_states.new_zeros(self.owner.capacity * h * value_states.shape[-1])
+        self.heads, self.key_dim, self.value_dim = h, dk, value_states.shape[-1]
         self.is_initialized = True
+        self.view()
+
+    def view(self) -> None:
+        """(Re)points keys/values at the owner's current layout: (rows, heads, width, dim)."""
+        rows, width = self.owner.rows, self.owner.width
+        self.keys = self.flat_keys[: rows * self.heads * width * self.key_dim].view(
+            rows, self.heads, width, self.key_dim)
+        self.values = self.flat_values[: rows * self.heads * width * self.value_dim].view(
+            rows, self.heads, width, self.value_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -48,15 +61,15 @@ class SlotLayer(CacheLayerMixin):
             self.values[rows, :, o.past:end] = value_states
             return self.keys[rows, :, :end], self.values[rows, :, :end]
         n = key_states.shape[0]  # decode: rows [0, n), one column each
-        rows = torch.arange(n, device=key_states.device)
+        rows = o.row_index[:n]
         self.keys[rows, :, o.positions] = key_states[:, :, 0]
         self.values[rows, :, o.positions] = value_states[:, :, 0]
         return self.keys[:n, :, : o.past + 1], self.values[:n, :, : o.past + 1]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.owner.past + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self, *args) -> int:
         return self.owner.past
 
     def get_max_length(self) -> int:
@@ -67,19 +80,47 @@ class SlotLayer(CacheLayerMixin):
 
 
 class KVCache(Cache):
-    """`rows` slots of `width` token columns for every decoder layer.
+    """`capacity` token slots for every decoder layer, laid out as `rows` x `width`.
 
-    Before each forward the batch says what it is: `prefill(start)` (new rows from `start`) or
-    `decode(positions)` (rows [0, n), row i writing column positions[i]).
+    Before each forward the caller says what it is: `prefill(start)` (new rows from `start`) or
+    `decode(positions, width)` (rows [0, n), row i writing column positions[i]).
     """
 
-    def __init__(self, num_layers: int, rows: int, width: int):
-        self.rows = rows
-        self.width = width
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        self.rows = 0
+        self.width = 0
         self.start = 0
         self.positions: torch.Tensor | None = None
-        self.past = 0  # columns before the first query token, as transformers' mask code sees it
+        self.past = 0  # columns before the first query token, as transformers' code sees it
+        self.row_index: torch.Tensor | None = None  # arange(rows), reused by every decode write
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    @property
+    def allocated(self) -> bool:
+        return any(layer.is_initialized for layer in self.layers)
+
+    @torch.inference_mode()
+    def set_layout(self, rows: int, width: int, keep_rows: int = 0, keep_width: int = 0,
+                   device: torch.device | str = "cpu") -> bool:
+        """Lays `rows` x `width` slots over the pool, keeping the first keep_rows rows' first
+        keep_width columns. Returns whether the layout changed."""
+        if rows * width > self.capacity:
+            raise ValueError(f"{rows} rows x {width} columns exceed the KV pool's {self.capacity} slots")
+        if (rows, width) == (self.rows, self.width):
+            return False
+        kept = [(layer, layer.keys[:keep_rows, :, :keep_width].clone(),
+                 layer.values[:keep_rows, :, :keep_width].clone())
+                for layer in self.layers if layer.is_initialized and keep_rows and keep_width]
+        self.rows, self.width = rows, width
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.view()
+        for layer, keys, values in kept:
+            layer.keys[:keep_rows, :, :keep_width] = keys
+            layer.values[:keep_rows, :, :keep_width] = values
+        self.row_index = torch.arange(rows, device=device)
+        return True
 
     def prefill(self, start: int, offset: int = 0) -> None:
         """Rows from `start` write their tokens from column `offset` on (attending to columns before it)."""
@@ -89,11 +130,9 @@ class KVCache(Cache):
         """Row i writes column positions[i]; attention spans columns [0, width)."""
         self.positions, self.past = positions, width - 1
 
-    @torch.inference_mode()  # the buffers were made inside the model's forward (inference mode)
-    def move_rows(self, src: list[int], dst: list[int]) -> None:
-        """Copies slots src[k] -> dst[k] (used to keep live rows contiguous from row 0)."""
-        if not src:
-            return
+    @torch.inference_mode()
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies slots src[k] -> dst[k] (keeps live rows contiguous from row 0)."""
         for layer in self.layers:
             if layer.is_initialized:
                 layer.keys[dst] = layer.keys[src]
@@ -101,31 +140,22 @@ class KVCache(Cache):
 
     @torch.inference_mode()
     def expand_rows(self, index: torch.Tensor) -> None:
-        """New rows: row r is a copy of old row index[r] (one prompt shared by several continuations)."""
-        self.rows = len(index)
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
-
-    @torch.inference_mode()
-    def resize(self, rows: int, width: int, keep_rows: int, keep_width: int) -> None:
-        """New buffers of rows x width; the first keep_rows rows' first keep_width columns are kept."""
-        self.rows, self.width = rows, width
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros((rows, old.shape[1], width, old.shape[3]))
-                new[:keep_rows, :, :keep_width] = old[:keep_rows, :, :keep_width]
-                setattr(layer, name, new)
+        """Row r becomes a copy of row index[r] (one prompt shared by several continuations);
+        the layout grows to len(index) rows of the same width."""
+        width = self.width
+        copies = [(layer, layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                  for layer in self.layers if layer.is_initialized]
+        self.set_layout(len(index), width, device=index.device)
+        for layer, keys, values in copies:
+            layer.keys.copy_(keys)
+            layer.values.copy_(values)
 
     @property
     def tokens(self) -> int:
-        """Token slots reserved: rows x width."""
+        """Token slots in the current layout: rows x width."""
         return self.rows * self.width
 
     def nbytes(self) -> int:
+        """Bytes of the pool (every layer's keys and values)."""
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
+                   for t in (layer.flat_keys, layer.flat_values))

@@ -7,11 +7,12 @@ from typing import Sequence as Seq
 
 from engine.batch import Batch
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.scoring import ChoiceScores, score_choices
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 CPU_PREFILL_TOKENS = 1024
+GRAPH_WIDTH_ALIGN = 128
+"""With CUDA graphs, KV layout widths are rounded up to this, so batches of similar widths share
+one layout and its captured graphs (costs at most max_num_seqs x 127 extra pool slots)."""
 
 
 class LLMEngine:
@@ -36,13 +40,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.config)
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
-        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
-                                   self._max_prefill_tokens())
         self.continuous = self.config.scheduling == "continuous"
+        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
+                                   self._max_prefill_tokens(), self.continuous,
+                                   width_align=GRAPH_WIDTH_ALIGN if self.runner.graphs is not None else 1)
+        self.cache = KVCache(self.runner.num_layers, self.scheduler.pool_capacity)
+        """The KV pool: allocated on the first forward pass, reused by every batch and by scoring."""
+        self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.cache)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)
-        self._batch: Batch | None = None
-        self._pending: list[Sequence] = []  # admitted to the batch, prompt not yet prefilled
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
@@ -94,40 +100,40 @@ class LLMEngine:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def has_unfinished(self) -> bool:
-        return self._batch is not None or bool(self._pending) or self.scheduler.has_waiting()
+        return not self.batch.empty or self.scheduler.has_work()
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """One forward pass: a prefill that brings waiting requests into the batch, or one decode
-        step of every running row. Returns the sequences that finished in it."""
-        batch = self._batch
-        if not self._pending:
-            if self.continuous:
-                self._pending = self.scheduler.admit(batch.num_rows if batch else 0, batch.widest if batch else 0)
-            elif batch is None:
-                self._pending = self.scheduler.next_batch()
-        if self._pending:
-            if batch is None:
-                rows_hint = self.config.max_num_seqs if self.continuous else len(self._pending)
-                batch = self._batch = Batch(self.tokenizer, self.runner, self.config.max_batch_tokens, rows_hint)
-            group, self._pending = self.scheduler.prefill_group(self._pending)
-            start = batch.num_rows
-            *inputs, last = batch.prefill_inputs(group)
-            logits = self.runner.forward(*inputs, batch.cache, last)
-            rows = slice(start, start + len(group))
-        elif batch is not None:
-            logits = self.runner.forward(*batch.decode_inputs(), batch.cache)
-            rows = slice(None)
-        else:
+        """One forward pass: schedule -> run -> postprocess. Either a prefill that brings
+        admitted requests into the batch, or one decode step of every running row. Returns the
+        sequences that finished in it."""
+        plan = self.scheduler.schedule(self.batch.num_rows, self.batch.widest)
+        if plan.is_empty:
             return []
-        tokens, logprobs = self.sampler(logits, **batch.sampler_inputs(rows))
-        finished = batch.record(rows, tokens, logprobs)
+        finished = self._run(plan)
         drained = not (self.continuous and self.scheduler.has_waiting())  # continuous: one batch per run
-        if batch.empty and not self._pending and drained:
-            self.batch_stats.append(batch.finish_stats())
-            self._batch = None
+        if self.batch.empty and not self.scheduler.pending and drained:
+            self.batch_stats.append(self.batch.finish_stats())
         return finished
+
+    def _run(self, plan: SchedulerOutput) -> list[Sequence]:
+        """Runs the plan's forward pass, samples on the device and records the new tokens."""
+        batch = self.batch
+        if plan.layout is not None:
+            batch.set_layout(*plan.layout)
+        if plan.is_prefill:
+            start = batch.num_rows
+            ids, lengths = batch.join(plan.prefill)
+            logits = self.runner.prefill(self.cache, start, ids, lengths)
+            rows = slice(start, start + len(plan.prefill))
+        else:
+            n = plan.num_decode_rows
+            rows = slice(0, n)
+            batch.count_decode()
+            logits = self.runner.decode(self.cache, batch.last[:n], batch.lengths[:n], batch.max_length() + 1)
+        tokens, logprobs = self.sampler(logits, **batch.sampler_inputs(rows))
+        return batch.record(rows, tokens, logprobs, decode=not plan.is_prefill)
 
     def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
@@ -146,8 +152,11 @@ class LLMEngine:
                 ids, cids = [], []
             prompt_ids.append(ids)
             choice_ids.append(cids)
-        scores = score_choices(self.runner, prompt_ids, choice_ids, self.config.max_batch_tokens,
+        if self.has_unfinished():
+            raise RuntimeError("score_choices() called while generation requests are still running")
+        scores = score_choices(self.runner, self.cache, prompt_ids, choice_ids, self.config.max_batch_tokens,
                                self.config.max_num_seqs, self.max_model_len)
+        self.scheduler.layout = (0, 0)  # scoring laid the pool out its own way
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
         return scores

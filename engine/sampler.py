@@ -54,22 +54,62 @@ class SamplingTensors:
             num_logprobs=col(lambda s: -1 if s.params.logprobs is None else s.params.logprobs, torch.int64),
         )
 
-    def select(self, rows: torch.Tensor) -> "SamplingTensors":
-        return SamplingTensors(**{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)})
+    @classmethod
+    def empty(cls, rows: int, device: torch.device) -> "SamplingTensors":
+        """`rows` slots of neutral settings, filled in place as rows join."""
+        return cls(**{f.name: torch.zeros(rows, dtype=_DTYPES[f.name], device=device) for f in fields(cls)})
 
-    def cat(self, other: "SamplingTensors") -> "SamplingTensors":
-        """This batch's rows, then `other`'s."""
-        return SamplingTensors(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
-                                  for f in fields(self)})
+    def write(self, start: int, other: "SamplingTensors") -> None:
+        """Rows [start, start + len(other)) take `other`'s settings."""
+        for f in fields(self):
+            getattr(self, f.name)[start:start + len(other.temperature)] = getattr(other, f.name)
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    def rows(self, rows: slice) -> "SamplingTensors":
+        """A view of rows `rows`."""
+        return SamplingTensors(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-    @property
-    def needs_penalties(self) -> bool:
-        return bool((self.repetition_penalty != 1).any() or (self.presence_penalty != 0).any()
-                    or (self.frequency_penalty != 0).any())
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies rows src[k] -> dst[k]."""
+        for f in fields(self):
+            t = getattr(self, f.name)
+            t[dst] = t[src]
+
+
+_DTYPES = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32,
+           "seeds": torch.int64, "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
+           "frequency_penalty": torch.float32, "num_logprobs": torch.int64}
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """Which sampling features some row of a batch uses, known on the host from the requests'
+    parameters, so the sampler never asks the device (each such question is a sync)."""
+
+    all_greedy: bool = True
+    """Every row has temperature 0."""
+    min_p: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    penalties: bool = False
+    """Some row has a repetition, presence or frequency penalty."""
+    logprobs: bool = False
+    """Some row wants logprobs."""
+    min_tokens: bool = False
+    """Some row bans its stop tokens until min_tokens."""
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "SamplingFlags":
+        ps = [s.params for s in seqs]
+        return cls(all_greedy=all(p.temperature == 0 for p in ps),
+                   min_p=any(p.min_p > 0 for p in ps), top_k=any(p.top_k > 0 for p in ps),
+                   top_p=any(p.top_p < 1 for p in ps),
+                   penalties=any(_has_penalty(p) for p in ps),
+                   logprobs=any(p.logprobs is not None for p in ps),
+                   min_tokens=any(p.min_tokens > 0 for p in ps))
+
+
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 class Sampler:
@@ -80,31 +120,32 @@ class Sampler:
         # (V,) hashed token ids, reused by every noise draw.
         self._token_keys = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))
 
-    def __call__(self, logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors, flags: SamplingFlags, steps: torch.Tensor,
                  output_counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
                  banned: torch.Tensor | None = None):
-        """logits (B, V) float32 -> (tokens (B,), logprobs (B, V) or None).
+        """logits (B, V) float32 -> (tokens (B,), logprobs (B, V) or None). No device->host sync.
 
         steps (B,): tokens each row has generated so far (the noise counter).
         output_counts (B, V): occurrences of each token in each row's output (for penalties).
         seen (B, V) bool: tokens in each row's prompt or output (for repetition_penalty).
         banned (B, V) bool: tokens a row may not pick now (stop tokens before min_tokens).
         """
-        logprobs = torch.log_softmax(logits, dim=-1) if bool((st.num_logprobs >= 0).any()) else None
+        logprobs = torch.log_softmax(logits, dim=-1) if flags.logprobs else None
         if banned is not None:
             logits = logits.masked_fill(banned, float("-inf"))
         if output_counts is not None:
             logits = apply_penalties(logits, st, output_counts, seen)
         greedy = logits.argmax(dim=-1)
-        if st.all_greedy:
+        if flags.all_greedy:
             return greedy, logprobs
-        sampled = self._sample(logits, st, steps)
+        sampled = self._sample(logits, st, flags, steps)
         return torch.where(st.temperature == 0, greedy, sampled), logprobs
 
-    def _sample(self, logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors, flags: SamplingFlags,
+                steps: torch.Tensor) -> torch.Tensor:
         temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
         logits = logits / temp[:, None]
-        logits = _filter(logits, st)
+        logits = _filter(logits, st, flags)
         # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits).
         return (logits + self._gumbel(st.seeds, steps)).argmax(dim=-1)
 
@@ -128,15 +169,14 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors, output_counts: to
     return logits
 
 
-def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def _filter(logits: torch.Tensor, st: SamplingTensors, flags: SamplingFlags) -> torch.Tensor:
     """Masks (to -inf) tokens outside each row's min-p, top-k and top-p sets."""
     neg_inf = torch.finfo(logits.dtype).min
-    if bool((st.min_p > 0).any()):
+    if flags.min_p:
         probs = logits.softmax(dim=-1)
         floor = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, neg_inf)
-    use_k = bool((st.top_k > 0).any())
-    use_p = bool((st.top_p < 1).any())
+    use_k, use_p = flags.top_k, flags.top_p
     if not (use_k or use_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
+from engine.scheduler import kv_tokens
 
 LOGITS_BYTES = 256 * 2**20
 """Pass 2 runs in chunks of choice rows whose float32 logits stay under this size."""
@@ -38,13 +39,13 @@ class ChoiceScores:
     """Why the row could not be scored (then logprobs is empty)."""
 
 
-def score_choices(runner, prompts: list[list[int]], choices: list[list[list[int]]], max_batch_tokens: int,
-                  max_num_seqs: int, max_model_len: int) -> list[ChoiceScores]:
+def score_choices(runner, cache: KVCache, prompts: list[list[int]], choices: list[list[list[int]]],
+                  max_batch_tokens: int, max_num_seqs: int, max_model_len: int) -> list[ChoiceScores]:
     """prompts[i] and choices[i][j] are token ids; returns one ChoiceScores per row, in order."""
     results: list[ChoiceScores | None] = [None] * len(prompts)
     todo = []
     for i, (p, cs) in enumerate(zip(prompts, choices)):
-        need = len(cs) * (len(p) + max((len(c) for c in cs), default=0))
+        need = kv_tokens(len(cs), len(p) + max((len(c) for c in cs), default=0))
         if not p:
             results[i] = ChoiceScores([], [], 0, "empty prompt: a row needs at least one prompt token")
         elif not cs or any(not c for c in cs):
@@ -60,7 +61,8 @@ def score_choices(runner, prompts: list[list[int]], choices: list[list[list[int]
         else:
             todo.append(i)
     for group in _groups(todo, prompts, choices, max_batch_tokens, max_num_seqs):
-        for i, scores in zip(group, _score_group(runner, [prompts[i] for i in group], [choices[i] for i in group])):
+        for i, scores in zip(group, _score_group(runner, cache, [prompts[i] for i in group],
+                                                 [choices[i] for i in group])):
             results[i] = scores
     return results
 
@@ -73,7 +75,7 @@ def _groups(rows, prompts, choices, max_batch_tokens: int, max_num_seqs: int):
         k = len(choices[i])
         p = max(longest_prompt, len(prompts[i]))
         c = max(longest_choice, max(len(x) for x in choices[i]))
-        if group and ((n + k) * (p + c) > max_batch_tokens or n + k > max_num_seqs):
+        if group and (kv_tokens(n + k, p + c) > max_batch_tokens or n + k > max_num_seqs):
             yield group
             group, n = [], 0
             p, c = len(prompts[i]), max(len(x) for x in choices[i])
@@ -84,22 +86,21 @@ def _groups(rows, prompts, choices, max_batch_tokens: int, max_num_seqs: int):
 
 
 @torch.inference_mode()
-def _score_group(runner, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
+def _score_group(runner, cache: KVCache, prompts: list[list[int]],
+                 choices: list[list[list[int]]]) -> list[ChoiceScores]:
     device = runner.device
     plens = torch.tensor([len(p) for p in prompts], device=device)
     plen = int(plens.max())
     clen = max(len(c) for cs in choices for c in cs)
     owner = torch.tensor([i for i, cs in enumerate(choices) for _ in cs], device=device)  # choice row -> prompt row
     flat = [c for cs in choices for c in cs]
-    cache = KVCache(runner.num_layers, len(prompts), plen + clen)
+    cache.set_layout(len(prompts), plen + clen, device=device)
 
     # Pass 1: prompts, right-padded; the logits at each prompt's last token score first choice tokens.
     ids = torch.zeros((len(prompts), plen), dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    cols = torch.arange(plen, device=device)[None, :].repeat(len(prompts), 1)
-    cache.prefill(0)
-    first = runner.forward(ids.to(device), (cols < plens[:, None]).long(), cols, cache, (plens - 1)[:, None])
+    first = runner.prefill(cache, 0, ids.to(device), plens)
     first = torch.log_softmax(first, dim=-1)[owner]  # (C, V)
     firsts = torch.tensor([c[0] for c in flat], device=device)
     totals = first.gather(1, firsts[:, None])[:, 0]  # (C,)
@@ -115,14 +116,15 @@ def _score_group(runner, prompts: list[list[int]], choices: list[list[list[int]]
         ccols = torch.arange(clen, device=device)[None, :]
         all_cols = torch.arange(plen + clen, device=device)[None, :]
         own_plen = plens[owner][:, None]
-        mask = ((all_cols < own_plen) | ((all_cols >= plen) & (all_cols < plen + clens[:, None]))).long()
+        keys = (all_cols < own_plen) | ((all_cols >= plen) & (all_cols < plen + clens[:, None]))  # (C, plen + clen)
         later = []
         # in chunks of rows, so the (rows, choice length, vocab) logits stay under LOGITS_BYTES
         step = max(1, LOGITS_BYTES // (clen * runner.vocab_size * 4))
         for a in range(0, len(flat), step):
             rows = slice(a, a + step)
             cache.prefill(a, offset=plen)
-            logits = runner.logits(cids[rows], mask[rows], own_plen[rows] + ccols, cache)  # (r, L, V)
+            bias = runner.attention_bias(keys[rows], (plen + ccols).expand(keys[rows].shape[0], -1))
+            logits = runner.logits(cids[rows], bias, own_plen[rows] + ccols, cache)  # (r, L, V)
             # token t+1 of a choice is scored at the position of token t
             lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, cids[rows, 1:, None])[:, :, 0]
             later.append(lp.masked_fill(ccols[:, 1:] >= clens[rows, None], 0.0).sum(dim=1))

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import Completion
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import StopStringChecker
 
 
 class Status(enum.Enum):
@@ -44,6 +48,8 @@ class Sequence:
     """time.perf_counter() when its first token was sampled."""
     finish_time: float | None = None
     """time.perf_counter() when it finished."""
+    stop_checker: "StopStringChecker | None" = None
+    """Incremental stop-string search while it runs with stop strings; None otherwise."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,10 +63,6 @@ class Sequence:
     def max_len(self) -> int:
         """KV slots this request may need: prompt + max_tokens."""
         return self.num_prompt_tokens + self.params.max_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.status = Status.FINISHED

@@ -54,3 +54,29 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | 
         if at >= 0 and (best is None or at < best[0]):
             best = (at, stop)
     return best
+
+
+class StopStringChecker:
+    """Finds a request's stop strings in its output as tokens arrive, decoding only the new
+    tokens (plus a few before them, so multi-byte characters and merges decode correctly)
+    instead of the whole output every step."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.longest = max(len(s) for s in stops)
+        self.text = ""
+        self._prefix = 0  # tokens before this decode only as context
+        self._read = 0  # tokens up to here are in self.text
+
+    def add(self, token_ids: list[int]) -> bool:
+        """`token_ids`: the whole output so far. Returns whether a stop string has appeared."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(token_ids[self._prefix:self._read])
+        new_text = decode(token_ids[self._prefix:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False  # an incomplete character: wait for the next token
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(token_ids)
+        return find_stop(self.text, self.stops, start) is not None

@@ -21,8 +21,11 @@ from engine.sampler import SamplingFlags, SamplingTensors
 from engine.sequence import Sequence
 from engine.tokenizer import StopStringChecker, Tokenizer, find_stop
 
-# Device tensors with one row per slot (first dimension = slots).
-ROW_TENSORS = ("last", "lengths", "steps", "max_tokens", "min_tokens", "stop_ids", "output_counts", "seen", "banned")
+# Device tensors with one row per slot (first dimension = slots). `state` packs the integer
+# per-row values (STATE_COLUMNS), so joining, moving or resizing rows copies one table.
+ROW_TENSORS = ("state", "stop_ids", "output_counts", "seen", "banned")
+STATE_COLUMNS = ("last", "lengths", "steps", "max_tokens", "min_tokens")
+HOST_ARRAYS = ("h_lengths", "h_steps", "h_max_len", "h_text", "out")
 FEATURES = ("greedy", "min_p", "top_k", "top_p", "penalties", "logprobs", "min_tokens")
 
 
@@ -41,11 +44,11 @@ class Batch:
         self.sampling: SamplingTensors | None = None
         self.h_lengths = np.zeros(0, dtype=np.int64)  # host mirror of `lengths`
         self.h_steps = np.zeros(0, dtype=np.int64)  # host mirror of `steps`
+        self.h_max_len = np.zeros(0, dtype=np.int64)  # prompt + max_tokens of each row
+        self.h_text = np.zeros(0, dtype=bool)  # rows with stop strings
         self.out = np.zeros((0, 1), dtype=np.int64)  # (slots, widest max_tokens): output tokens
         self._features = dict.fromkeys(FEATURES, 0)  # rows using each sampling feature
         self.flags = SamplingFlags()
-        self._text_rows: list[int] = []
-        self._widest = 0
         self.stats: BatchStats | None = None
         self.started = 0.0
         self._all: list[Sequence] = []
@@ -57,7 +60,7 @@ class Batch:
     @property
     def widest(self) -> int:
         """Columns the widest live row may fill (0 when empty)."""
-        return self._widest
+        return int(self.h_max_len[: self.num_rows].max()) if self.seqs else 0
 
     @property
     def empty(self) -> bool:
@@ -75,19 +78,17 @@ class Batch:
         self.cache.set_layout(slots, width, keep_rows=n, keep_width=self.max_length(), device=self.device)
         if slots == self.slots:
             return
-        for name in ROW_TENSORS:
+        if self.state is None:
+            self.state = torch.zeros((0, len(STATE_COLUMNS)), dtype=torch.int64, device=self.device)
+            self.stop_ids = torch.full((0, 1), -1, dtype=torch.int64, device=self.device)
+        for name in ROW_TENSORS + HOST_ARRAYS:
             old = getattr(self, name)
             if old is not None:
                 setattr(self, name, _resized(old, slots, n))
+        for i, name in enumerate(STATE_COLUMNS):  # column views: they follow the table's rows
+            setattr(self, name, self.state[:, i])
         self.sampling = _resized_sampling(self.sampling, slots, n, self.device)
-        self.h_lengths = _resized(self.h_lengths, slots, n)
-        self.h_steps = _resized(self.h_steps, slots, n)
-        self.out = _resized(self.out, slots, n)
         self.slots = slots
-        if self.last is None:
-            for name in ("last", "lengths", "steps", "max_tokens", "min_tokens"):
-                setattr(self, name, torch.zeros(slots, dtype=torch.int64, device=self.device))
-            self.stop_ids = torch.full((slots, 1), -1, dtype=torch.int64, device=self.device)
 
     # -- joining ------------------------------------------------------------------------------
 
@@ -103,15 +104,16 @@ class Batch:
         ids = torch.full((k, max(plens)), self.tokenizer.pad_token_id, dtype=torch.int64)
         for i, s in enumerate(seqs):
             ids[i, : plens[i]] = torch.tensor(s.prompt_token_ids)
-        # one host->device copy for the integer row state
-        ints = torch.tensor([[p, s.params.max_tokens, s.params.min_tokens] for p, s in zip(plens, seqs)],
-                            dtype=torch.int64).to(self.device)
-        self.lengths[rows], self.max_tokens[rows], self.min_tokens[rows] = ints.unbind(1)
-        self.steps[rows] = 0
+        # one host->device copy for the integer row state (columns as STATE_COLUMNS)
+        state = torch.tensor([[0, p, 0, s.params.max_tokens, s.params.min_tokens] for p, s in zip(plens, seqs)],
+                             dtype=torch.int64).to(self.device)
+        self.state[rows] = state
         self._write_stop_ids(rows, seqs)
         self.sampling.write(n, SamplingTensors.from_sequences(seqs, self.device))
         self.h_lengths[rows] = plens
         self.h_steps[rows] = 0
+        self.h_max_len[rows] = [s.max_len for s in seqs]
+        self.h_text[rows] = [bool(s.params.stop) for s in seqs]
         widest_out = max(s.params.max_tokens for s in seqs)
         if widest_out > self.out.shape[1]:
             self.out = np.pad(self.out, ((0, 0), (0, widest_out - self.out.shape[1])))
@@ -121,7 +123,7 @@ class Batch:
         self.seqs = self.seqs + list(seqs)
         self._count_features(seqs, +1)
         self._write_optional_state(rows, seqs)
-        return ids.to(self.device), ints[:, 0]
+        return ids.to(self.device), state[:, 1]
 
     def _write_stop_ids(self, rows: slice, seqs: list[Sequence]) -> None:
         eos = set(self.tokenizer.eos_token_ids)
@@ -159,13 +161,10 @@ class Batch:
         for s in seqs:
             for name in _features(s):
                 self._features[name] += sign
-        self._widest = max((s.max_len for s in self.seqs), default=0)
         f, n = self._features, self.num_rows
         self.flags = SamplingFlags(all_greedy=f["greedy"] == n, min_p=f["min_p"] > 0, top_k=f["top_k"] > 0,
                                    top_p=f["top_p"] > 0, penalties=f["penalties"] > 0,
                                    logprobs=f["logprobs"] > 0, min_tokens=f["min_tokens"] > 0)
-        self._text_rows = [i for i, s in enumerate(self.seqs) if s.stop_checker] if any(
-            s.params.stop for s in seqs) or self._text_rows else []
 
     # -- sampling and recording ---------------------------------------------------------------
 
@@ -205,34 +204,44 @@ class Batch:
         if logprobs is not None:
             self._record_logprobs(a, b, tokens, logprobs)
         finished = set((np.flatnonzero(host[1]) + a).tolist())
-        finished |= {i for i in self._text_rows if a <= i < b and self.seqs[i].stop_checker.add(
-            self.out[i, : self.h_steps[i]].tolist())}
-        seqs = [self._finish(i, now) for i in sorted(finished)]
-        if finished:
-            self._remove(sorted(finished))
+        if self.h_text[a:b].any():
+            finished |= {i for i in (np.flatnonzero(self.h_text[a:b]) + a).tolist()
+                         if self.seqs[i].stop_checker.add(self.out[i, : self.h_steps[i]].tolist())}
+        if not finished:
+            return []
+        rows_done = sorted(finished)
+        seqs = self._finish(rows_done, now)
+        self._remove(rows_done)
         return seqs
 
-    def _finish(self, i: int, now: float) -> Sequence:
-        seq = self.seqs[i]
-        out = self.out[i, : self.h_steps[i]].tolist()
-        seq.output_token_ids = out
-        text = self.tokenizer.decode(out)
-        hit = find_stop(text, seq.params.stop) if seq.params.stop else None
-        if hit is not None:
-            at, stop = hit
-            seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
-            seq.finish("stop", stop)
-        elif _is_stop_id(self, seq, out[-1]):
-            last = out[-1]
-            eos = last in self.tokenizer.eos_token_ids and not seq.params.ignore_eos
-            seq.text = text if eos else self.tokenizer.decode(out[:-1])
-            seq.finish("stop", None if eos else last)
-        else:
-            seq.text = text
-            seq.finish("length")
-        seq.stop_checker = None
-        seq.finish_time = now
-        return seq
+    def _finish(self, rows: list[int], now: float) -> list[Sequence]:
+        """Finish reason and text of each finished row; their texts decoded in one call."""
+        seqs = [self.seqs[i] for i in rows]
+        outs = [self.out[i, : self.h_steps[i]].tolist() for i in rows]
+        # a stop token that is not EOS stays in token_ids but not in the text
+        keep_last = [not _is_stop_id(self, s, out[-1]) or (out[-1] in self.tokenizer.eos_token_ids
+                                                           and not s.params.ignore_eos)
+                     for s, out in zip(seqs, outs)]
+        texts = self.tokenizer.decode_batch([out if keep else out[:-1] for out, keep in zip(outs, keep_last)])
+        for seq, out, keep, text in zip(seqs, outs, keep_last, texts):
+            seq.output_token_ids = out
+            hit = find_stop(text, seq.params.stop) if seq.params.stop else None
+            if hit is not None:
+                if not keep:  # the stop string counts from the whole output
+                    text = self.tokenizer.decode(out)
+                    hit = find_stop(text, seq.params.stop) or hit
+                at, stop = hit
+                seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+                seq.finish("stop", stop)
+            elif _is_stop_id(self, seq, out[-1]):
+                seq.text = text
+                seq.finish("stop", None if keep else out[-1])
+            else:
+                seq.text = text
+                seq.finish("length")
+            seq.stop_checker = None
+            seq.finish_time = now
+        return seqs
 
     def _record_logprobs(self, a: int, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Rows that asked for logprobs: the chosen token's and the top-N (an opt-in extra transfer)."""
@@ -269,7 +278,8 @@ class Batch:
                 if t is not None:
                     t[dst] = t[src]
             self.sampling.move(src, dst)
-            for arr in (self.h_lengths, self.h_steps, self.out):
+            for name in HOST_ARRAYS:
+                arr = getattr(self, name)
                 arr[holes] = arr[movers]
         order = list(range(m))
         for hole, mover in zip(holes, movers):
@@ -326,6 +336,7 @@ def _resized(old, slots: int, keep: int):
     """`old` (a tensor or numpy array, rows first) with `slots` rows, its first `keep` kept."""
     if isinstance(old, np.ndarray):
         new = np.zeros((slots, *old.shape[1:]), dtype=old.dtype)
+        keep = min(keep, len(old))
     else:
         fill = -1 if old.dtype == torch.int64 and old.dim() == 2 else 0  # stop_ids: -1 = no id
         new = old.new_full((slots, *old.shape[1:]), fill)

@@ -5,7 +5,7 @@ computed for all rows in one go: a request's noise never depends on its batch ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -14,70 +14,60 @@ from engine.sequence import Sequence
 M32 = 0xFFFFFFFF
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+INT_FIELDS = ("top_k", "seeds", "num_logprobs")
+
+
 @dataclass
 class SamplingTensors:
-    """Per-row sampling settings of one batch, aligned with its rows."""
+    """Per-row sampling settings of a batch, aligned with its rows, packed in two tables so that
+    moving or writing rows costs two copies, not one per setting."""
 
-    temperature: torch.Tensor
-    """(B,) float; 0 marks a greedy row."""
-    top_k: torch.Tensor
-    """(B,) int64; 0 = no top-k."""
-    top_p: torch.Tensor
-    """(B,) float."""
-    min_p: torch.Tensor
-    """(B,) float."""
-    seeds: torch.Tensor
-    """(B,) int64 per-request seeds."""
-    repetition_penalty: torch.Tensor
-    """(B,) float; 1 = none."""
-    presence_penalty: torch.Tensor
-    """(B,) float."""
-    frequency_penalty: torch.Tensor
-    """(B,) float."""
-    num_logprobs: torch.Tensor
-    """(B,) int64; -1 = the row wants no logprobs."""
+    floats: torch.Tensor
+    """(B, 6) float32, columns in FLOAT_FIELDS order: temperature (0 = greedy), top_p, min_p,
+    repetition_penalty (1 = none), presence_penalty, frequency_penalty."""
+    ints: torch.Tensor
+    """(B, 3) int64, columns in INT_FIELDS order: top_k (0 = all), seed, num_logprobs (-1 = none)."""
+
+    temperature = property(lambda self: self.floats[:, 0])
+    top_p = property(lambda self: self.floats[:, 1])
+    min_p = property(lambda self: self.floats[:, 2])
+    repetition_penalty = property(lambda self: self.floats[:, 3])
+    presence_penalty = property(lambda self: self.floats[:, 4])
+    frequency_penalty = property(lambda self: self.floats[:, 5])
+    top_k = property(lambda self: self.ints[:, 0])
+    seeds = property(lambda self: self.ints[:, 1])
+    num_logprobs = property(lambda self: self.ints[:, 2])
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> "SamplingTensors":
-        def col(get, dtype):
-            return torch.tensor([get(s) for s in seqs], dtype=dtype, device=device)
-
-        return cls(
-            temperature=col(lambda s: s.params.temperature, torch.float32),
-            top_k=col(lambda s: max(s.params.top_k, 0), torch.int64),
-            top_p=col(lambda s: s.params.top_p, torch.float32),
-            min_p=col(lambda s: s.params.min_p, torch.float32),
-            seeds=col(lambda s: s.seed, torch.int64),
-            repetition_penalty=col(lambda s: s.params.repetition_penalty, torch.float32),
-            presence_penalty=col(lambda s: s.params.presence_penalty, torch.float32),
-            frequency_penalty=col(lambda s: s.params.frequency_penalty, torch.float32),
-            num_logprobs=col(lambda s: -1 if s.params.logprobs is None else s.params.logprobs, torch.int64),
-        )
+        floats = [[s.params.temperature, s.params.top_p, s.params.min_p, s.params.repetition_penalty,
+                   s.params.presence_penalty, s.params.frequency_penalty] for s in seqs]
+        ints = [[max(s.params.top_k, 0), s.seed, -1 if s.params.logprobs is None else s.params.logprobs]
+                for s in seqs]
+        return cls(torch.tensor(floats, dtype=torch.float32).to(device),
+                   torch.tensor(ints, dtype=torch.int64).to(device))
 
     @classmethod
     def empty(cls, rows: int, device: torch.device) -> "SamplingTensors":
-        """`rows` slots of neutral settings, filled in place as rows join."""
-        return cls(**{f.name: torch.zeros(rows, dtype=_DTYPES[f.name], device=device) for f in fields(cls)})
+        """`rows` slots of settings, filled in place as rows join."""
+        return cls(torch.zeros((rows, len(FLOAT_FIELDS)), device=device),
+                   torch.zeros((rows, len(INT_FIELDS)), dtype=torch.int64, device=device))
 
     def write(self, start: int, other: "SamplingTensors") -> None:
         """Rows [start, start + len(other)) take `other`'s settings."""
-        for f in fields(self):
-            getattr(self, f.name)[start:start + len(other.temperature)] = getattr(other, f.name)
+        k = other.floats.shape[0]
+        self.floats[start:start + k] = other.floats
+        self.ints[start:start + k] = other.ints
 
     def rows(self, rows: slice) -> "SamplingTensors":
         """A view of rows `rows`."""
-        return SamplingTensors(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return SamplingTensors(self.floats[rows], self.ints[rows])
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies rows src[k] -> dst[k]."""
-        for f in fields(self):
-            t = getattr(self, f.name)
-            t[dst] = t[src]
-
-
-_DTYPES = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32,
-           "seeds": torch.int64, "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
-           "frequency_penalty": torch.float32, "num_logprobs": torch.int64}
+        self.floats[dst] = self.floats[src]
+        self.ints[dst] = self.ints[src]
 
 
 @dataclass(frozen=True)

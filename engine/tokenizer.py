@@ -44,6 +44,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def decode_batch(self, token_ids: list[list[int]]) -> list[str]:
+        """Several texts in one call (the Rust tokenizer decodes them in one go)."""
+        return self.hf.batch_decode(token_ids, skip_special_tokens=True)
+
 
 def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
     """Earliest (index, stop string) in text[start:], or None. Indexes are character offsets,

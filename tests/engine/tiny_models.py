@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig, Qwen2Config,
-                          AutoModelForCausalLM)
+from transformers import (GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config, AutoModelForCausalLM)
 
 from engine.builtin import byte_tokenizer
 
 VOCAB = 259
-ARCHS = ("llama", "qwen2", "gpt2", "gpt_neox", "opt")
+ARCHS = ("llama", "qwen2", "gpt2", "gpt_neox", "opt", "mistral", "phi3", "qwen3")
+SLIDING_WINDOW = 24
+"""mistral's window: shorter than the parity prompts + outputs, so the window really cuts."""
 
 
 def tiny_config(arch: str, init: float = 0.3):
@@ -38,6 +40,18 @@ def tiny_config(arch: str, init: float = 0.3):
         return OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
                          init_std=init, **special)
+    if arch == "mistral":
+        return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             sliding_window=SLIDING_WINDOW, initializer_range=init, **special)
+    if arch == "phi3":
+        return Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          original_max_position_embeddings=512, initializer_range=init, **special)
+    if arch == "qwen3":
+        return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           initializer_range=init, **special)
     raise ValueError(arch)
 
 

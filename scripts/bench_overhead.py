@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Host overhead per decode step: the engine's step time minus the bare model forward inside it.
+
+A 1-layer micro Llama (hidden 64, vocab 259) makes the forward pass cheap, so what is left is
+the engine's own work around it: scheduling, masks, sampling, bookkeeping, finished rows. 256
+rows decode 32-96 tokens each (rows leave at different steps), greedy, EOS ignored, CPU, in
+both scheduling modes, with and without stop strings (which need per-row detokenization).
+
+Target (issue 11): <= 2 ms of host time per decode step beyond the bare forward.
+
+    .venv/bin/python scripts/bench_overhead.py [--rows 256] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.builtin import byte_tokenizer
+
+
+def micro_model(out: Path) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def measure(model_dir: Path, mode: str, rows: int, stops: bool) -> dict:
+    llm = LLMEngine(EngineConfig(model=str(model_dir), max_batch_tokens=rows * 160, max_num_seqs=rows,
+                                 scheduling=mode, dtype="float32", device="cpu"))
+    forward_time = [0.0]
+    model_forward = llm.runner.model.forward
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        out = model_forward(*args, **kwargs)
+        forward_time[0] += time.perf_counter() - start
+        return out
+
+    llm.runner.model.forward = timed_forward
+    params = [SamplingParams(max_tokens=32 + (i * 37) % 65, temperature=0, ignore_eos=True,
+                             stop=["\u2603\u2603"] if stops else []) for i in range(rows)]
+    for i, sp in enumerate(params):
+        llm.add_request(f"row {i}: " + "abcdefgh"[: i % 8], sp)
+    steps, overheads = [], []
+    while llm.has_unfinished():
+        decode = llm.batch.num_rows > 0 and not llm.scheduler.pending and not llm.scheduler.has_waiting()
+        forward_time[0] = 0.0
+        start = time.perf_counter()
+        llm.step()
+        wall = time.perf_counter() - start
+        if decode:
+            steps.append(wall)
+            overheads.append(wall - forward_time[0])
+    return {"mode": mode, "stops": stops, "decode_steps": len(steps),
+            "step_ms": 1e3 * statistics.median(steps), "overhead_ms": 1e3 * statistics.median(overheads),
+            "overhead_p90_ms": 1e3 * statistics.quantiles(overheads, n=10)[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = micro_model(Path(tmp) / "micro")
+        results = [measure(model_dir, mode, args.rows, stops)
+                   for mode in ("static", "continuous") for stops in (False, True)]
+    print(f"{args.rows} rows, 1-layer micro Llama, CPU fp32, {args.threads} threads; medians over decode steps\n")
+    print("| mode | stop strings | decode steps | step ms | host overhead ms | overhead p90 ms | <= 2 ms |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in results:
+        ok = "yes" if r["overhead_ms"] <= 2.0 else "NO"
+        print(f"| {r['mode']} | {'yes' if r['stops'] else 'no'} | {r['decode_steps']} | {r['step_ms']:.2f} "
+              f"| {r['overhead_ms']:.2f} | {r['overhead_p90_ms']:.2f} | {ok} |")
+
+
+if __name__ == "__main__":
+    main()

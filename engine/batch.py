@@ -119,7 +119,7 @@ class Batch:
             self.out = np.pad(self.out, ((0, 0), (0, widest_out - self.out.shape[1])))
         for s in seqs:
             if s.params.stop:
-                s.stop_checker = StopStringChecker(self.tokenizer, s.params.stop)
+                s.stop_checker = StopStringChecker(s.params.stop)
         self.seqs = self.seqs + list(seqs)
         self._count_features(seqs, +1)
         self._write_optional_state(rows, seqs)
@@ -205,14 +205,21 @@ class Batch:
             self._record_logprobs(a, b, tokens, logprobs)
         finished = set((np.flatnonzero(host[1]) + a).tolist())
         if self.h_text[a:b].any():
-            finished |= {i for i in (np.flatnonzero(self.h_text[a:b]) + a).tolist()
-                         if self.seqs[i].stop_checker.add(self.out[i, : self.h_steps[i]].tolist())}
+            finished |= self._stop_string_hits((np.flatnonzero(self.h_text[a:b]) + a).tolist())
         if not finished:
             return []
         rows_done = sorted(finished)
         seqs = self._finish(rows_done, now)
         self._remove(rows_done)
         return seqs
+
+    def _stop_string_hits(self, rows: list[int]) -> set[int]:
+        """Rows whose latest tokens complete one of their stop strings (one decode call for all)."""
+        checkers = [self.seqs[i].stop_checker for i in rows]
+        windows = [self.out[i, max(0, self.h_steps[i] - c.window): self.h_steps[i]].tolist()
+                   for i, c in zip(rows, checkers)]
+        texts = self.tokenizer.decode_windows(windows)
+        return {i for i, c, text in zip(rows, checkers, texts) if c.found(text)}
 
     def _finish(self, rows: list[int], now: float) -> list[Sequence]:
         """Finish reason and text of each finished row; their texts decoded in one call."""

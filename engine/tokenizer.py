@@ -45,8 +45,16 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
     def decode_batch(self, token_ids: list[list[int]]) -> list[str]:
-        """Several texts in one call (the Rust tokenizer decodes them in one go)."""
+        """Several texts, each exactly as `decode` would give it."""
         return self.hf.batch_decode(token_ids, skip_special_tokens=True)
+
+    def decode_windows(self, token_ids: list[list[int]]) -> list[str]:
+        """Several short texts in one call to the Rust tokenizer where there is one (without the
+        Python tokenizer's clean-up: for stop-string search, not for output text)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return self.decode_batch(token_ids)
+        return backend.decode_batch(token_ids, skip_special_tokens=True)
 
 
 def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
@@ -61,26 +69,16 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | 
 
 
 class StopStringChecker:
-    """Finds a request's stop strings in its output as tokens arrive, decoding only the new
-    tokens (plus a few before them, so multi-byte characters and merges decode correctly)
-    instead of the whole output every step."""
+    """Finds a request's stop strings as tokens arrive by decoding only a window of its last
+    tokens, never the whole output: the window holds every token a stop string can span (a
+    character may take up to 4 byte-level tokens), plus the token before it. Since a request
+    stops at its first stop string, any stop string inside the window is a new one."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
-        self.tokenizer = tokenizer
+    def __init__(self, stops: list[str]):
         self.stops = stops
-        self.longest = max(len(s) for s in stops)
-        self.text = ""
-        self._prefix = 0  # tokens before this decode only as context
-        self._read = 0  # tokens up to here are in self.text
+        self.window = 4 * max(len(s) for s in stops) + 1
+        """Tokens to decode each step."""
 
-    def add(self, token_ids: list[int]) -> bool:
-        """`token_ids`: the whole output so far. Returns whether a stop string has appeared."""
-        decode = self.tokenizer.decode
-        prefix_text = decode(token_ids[self._prefix:self._read])
-        new_text = decode(token_ids[self._prefix:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return False  # an incomplete character: wait for the next token
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += new_text[len(prefix_text):]
-        self._prefix, self._read = self._read, len(token_ids)
-        return find_stop(self.text, self.stops, start) is not None
+    def found(self, window_text: str) -> bool:
+        """Whether the decoded window holds a stop string."""
+        return any(stop in window_text for stop in self.stops)

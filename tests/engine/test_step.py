@@ -96,13 +96,16 @@ def test_a_wider_request_joining_keeps_the_running_rows(llm_factory):
     assert seq.output_token_ids == alone
 
 
-def test_stop_string_checker_decodes_incrementally_across_tokens_and_multibyte_characters():
+def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_factory):
+    """The check decodes a window of the latest tokens: a stop string split over several
+    tokens, or inside a multi-byte character's byte tokens, is still found, and the text is
+    cut before it."""
     from engine.builtin import byte_tokenizer
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer(byte_tokenizer())
     ids = tok.hf("ab\u20acxy!", add_special_tokens=False)["input_ids"]  # the euro sign is 3 byte tokens
-    checker = StopStringChecker(tok, ["\u20acx"])
-    hits = [checker.add(ids[: k + 1]) for k in range(len(ids))]
+    checker = StopStringChecker(["\u20acx"])
+    hits = [checker.found(tok.decode_windows([ids[max(0, k + 1 - checker.window): k + 1]])[0])
+            for k in range(len(ids))]
     assert hits.index(True) == 5  # a, b, 3 bytes of the euro sign, then x
-    assert checker.text.startswith("ab\u20acx")

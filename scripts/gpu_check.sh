@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The CUDA check, one command, for a CUDA machine with no network (under 8 minutes on an H200):
+#   1. the GPU tests: fp32 parity with transformers with CUDA graphs on, graphs == eager, bf16 agreement;
+#   2. the throughput table (scripts/bench_gpu.py: 1.2B Llama, random weights) and a decode profile.
+# Results go to $OUT (default results/gpu_check). Wheels in .whl/ (e.g. transformers>=5.24 where the
+# machine has an older one) are installed to /tmp/site first. Runs with the machine's python3:
+# the engine needs no Ray.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-results/gpu_check}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "| transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
+rc=0
+timeout 180 python3 -m pytest tests/engine/test_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+timeout 300 python3 scripts/bench_gpu.py --json "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+exit $rc

@@ -6,16 +6,23 @@ greedy, ignore_eos, on builtin:llama-42m (Llama-shaped, hidden 512, 8 layers, 32
 Measures generated tokens/s of
   1. transformers generate(), one request at a time,
   2. transformers generate(), padded batches of 32 in input order (left padding),
-  3. batchinfer's engine at a max_batch_tokens that holds the same KV memory as (2),
+  3. batchinfer's engine at a max_batch_tokens that holds the same KV memory as (2), static
+     and continuous,
+  4. CTranslate2 float32 (scripts/ct2_reference.py, token-batched at the same budget), when
+     installed (`pip install -e .[bench]`),
 checks that they produce the same tokens, and prints a table with ratios.
+Target (issue 11): the engine's best mode >= 1.25x CTranslate2, tokens identical to transformers.
 
     .venv/bin/python scripts/bench_engine.py [--requests 64] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import random
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -59,6 +66,20 @@ def hf_padded_batches(model, prompts, outputs, batch_size: int):
     return results
 
 
+def ctranslate2_run(model_dir, prompts, outputs, budget: int):
+    """CTranslate2's timed generate_batch, or None when it is not installed."""
+    spec = importlib.util.spec_from_file_location("ct2_reference", Path(__file__).parent / "ct2_reference.py")
+    ct2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct2)
+    if ct2.available() is not None:
+        print(f"CTranslate2 row skipped: {ct2.available()}")
+        return None
+    cache = Path(os.environ.get("BATCHINFER_CACHE", Path.home() / ".cache/batchinfer")) / "ct2"
+    out_dir = ct2.convert(model_dir, cache / f"{Path(model_dir).name}-float32")
+    run = ct2.generate(out_dir, prompts, outputs, threads=torch.get_num_threads(), max_batch_tokens=budget)
+    return run["outputs"], run["seconds"]
+
+
 def ours(llm, prompts, outputs):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in outputs]
     return [c.token_ids for c in llm.generate(prompts, params)]
@@ -90,29 +111,39 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     prompts, outputs = workload(n, args.seed, hf.config.vocab_size, (16, 256), out_range)
     budget = args.batch_size * (max(len(p) for p in prompts) + max(outputs))
-    llm = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
-                                 dtype="float32", device="cpu"))
+    engines = {mode: LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
+                                            dtype="float32", device="cpu", scheduling=mode))
+               for mode in ("static", "continuous")}
+    llm = engines["static"]
     generated = sum(outputs)
     print(f"workload: {n} requests, prompts 16-256, outputs {out_range[0]}-{out_range[1]} "
           f"({generated} tokens), {MODEL}, fp32, {torch.get_num_threads()} threads; "
           f"engine max_batch_tokens={budget}")
-    ours(llm, prompts[:2], [4, 4])  # warm-up: first-call allocations
+    for engine in engines.values():
+        ours(engine, prompts[:2], [4, 4])  # warm-up: first-call allocations
     with torch.inference_mode():
         ref, t_one = timed(hf_one_at_a_time, hf, prompts, outputs)
         padded, t_pad = timed(hf_padded_batches, hf, prompts, outputs, args.batch_size)
-    llm.batch_stats.clear()
-    mine, t_ours = timed(ours, llm, prompts, outputs)
     rows = [
         ("transformers generate, 1 at a time", t_one, ref),
         (f"transformers generate, padded batches of {args.batch_size}", t_pad, padded),
-        ("batchinfer engine (static)", t_ours, mine),
     ]
+    for mode, engine in engines.items():
+        engine.batch_stats.clear()
+        mine, t_ours = timed(ours, engine, prompts, outputs)
+        rows.append((f"batchinfer engine ({mode})", t_ours, mine))
+    ct2 = ctranslate2_run(model_dir, prompts, outputs, budget)
+    t_ct2 = None
+    if ct2 is not None:
+        t_ct2 = ct2[1]
+        rows.append(("CTranslate2 float32, token-batched", t_ct2, ct2[0]))
     print()
-    print("| mode | seconds | generated tok/s | vs 1-at-a-time | vs padded | same tokens as 1-at-a-time |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| mode | seconds | generated tok/s | vs 1-at-a-time | vs padded | vs CTranslate2 | same tokens as 1-at-a-time |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, secs, toks in rows:
+        vs_ct2 = f"{t_ct2 / secs:.2f}x" if t_ct2 else "-"
         print(f"| {name} | {secs:.1f} | {generated / secs:.1f} | {t_one / secs:.2f}x | {t_pad / secs:.2f}x "
-              f"| {agreement(toks, ref)} |")
+              f"| {vs_ct2} | {agreement(toks, ref)} |")
     stats = llm.batch_stats
     print(f"\nengine: {len(stats)} batches, rows {[s.rows for s in stats]}, "
           f"prompt padding {sum(s.padded_prompt_tokens - s.prompt_tokens for s in stats) / sum(s.padded_prompt_tokens for s in stats):.1%}, "

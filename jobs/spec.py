@@ -189,7 +189,7 @@ class JobSpec(_Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
+ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("engine", "enforce_eager"), ("input", "messages_column"),
                 ("input", "system_prompt"), ("input", "few_shot"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 

@@ -92,18 +92,19 @@ class Batch:
 
     # -- joining ------------------------------------------------------------------------------
 
-    def join(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adds `seqs` as rows [n, n + k). Returns their prefill inputs: input_ids (k, P),
-        right-padded, and lengths (k,) (each row's prompt length)."""
+    def join(self, seqs: list[Sequence], offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds `seqs` as rows [n, n + k). Returns their prefill inputs: input_ids (k, P), each
+        prompt from token `offset` on (the tokens before it come from the prefix cache),
+        right-padded, and lengths (k,) (each row's whole prompt length)."""
         n, k = self.num_rows, len(seqs)
         if n + k > self.slots:
             raise RuntimeError(f"{n + k} rows do not fit the KV layout's {self.slots} slots")
-        self._start_stats(seqs)
+        self._start_stats(seqs, offset)
         rows = slice(n, n + k)
         plens = [s.num_prompt_tokens for s in seqs]
-        ids = torch.full((k, max(plens)), self.tokenizer.pad_token_id, dtype=torch.int64)
+        ids = torch.full((k, max(plens) - offset), self.tokenizer.pad_token_id, dtype=torch.int64)
         for i, s in enumerate(seqs):
-            ids[i, : plens[i]] = torch.tensor(s.prompt_token_ids)
+            ids[i, : plens[i] - offset] = torch.tensor(s.prompt_token_ids[offset:])
         # one host->device copy for the integer row state (columns as STATE_COLUMNS)
         state = torch.tensor([[0, p, 0, s.params.max_tokens, s.params.min_tokens] for p, s in zip(plens, seqs)],
                              dtype=torch.int64).to(self.device)
@@ -297,7 +298,7 @@ class Batch:
 
     # -- statistics ---------------------------------------------------------------------------
 
-    def _start_stats(self, seqs: list[Sequence]) -> None:
+    def _start_stats(self, seqs: list[Sequence], offset: int) -> None:
         if self.stats is None:
             self.stats = BatchStats(rows=0, max_prompt_len=0, max_new_tokens=0, reserved_tokens=0,
                                     prompt_tokens=0, padded_prompt_tokens=0)
@@ -311,7 +312,8 @@ class Batch:
         st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in seqs))
         st.reserved_tokens = max(st.reserved_tokens, (self.num_rows + k) * max(self.widest, *(s.max_len for s in seqs)))
         st.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
-        st.padded_prompt_tokens += k * plen
+        st.padded_prompt_tokens += k * (plen - offset)
+        st.cached_prompt_tokens += k * offset
         st.prefill_steps += 1
         self._all.extend(seqs)
 

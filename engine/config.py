@@ -27,6 +27,10 @@ class EngineConfig:
     """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
     max_prefill_tokens: int | None = None
     """Most prompt tokens (rows x longest prompt) prefilled in one forward pass (a longer prompt runs alone); None = 1024 on CPU, max_batch_tokens on GPU."""
+    enable_prefix_caching: bool = True
+    """Compute the keys and values of prompt blocks shared between requests once, and reuse them (vLLM's name)."""
+    prefix_cache_tokens: int | None = None
+    """Token slots kept for cached prompt blocks (a store besides the batch's KV); None = max_batch_tokens // 2."""
     enforce_eager: bool = False
     """Run decode steps eagerly; by default on CUDA they replay CUDA graphs captured per batch-size bucket (vLLM's name)."""
     seed: int = 0
@@ -49,6 +53,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.max_prefill_tokens is not None:
             _positive("max_prefill_tokens", self.max_prefill_tokens)
+        if self.prefix_cache_tokens is not None:
+            _positive("prefix_cache_tokens", self.prefix_cache_tokens)
         if self.scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if self.dtype not in DTYPES:

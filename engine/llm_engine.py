@@ -9,6 +9,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -41,11 +42,17 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
         self.continuous = self.config.scheduling == "continuous"
-        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
-                                   self._max_prefill_tokens(), self.continuous,
-                                   width_align=GRAPH_WIDTH_ALIGN if self.runner.graphs is not None else 1)
-        self.cache = KVCache(self.runner.num_layers, self.scheduler.pool_capacity)
+        width_align = GRAPH_WIDTH_ALIGN if self.runner.graphs is not None else 1
+        capacity = self.config.max_batch_tokens + self.config.max_num_seqs * (width_align - 1)
+        self.cache = KVCache(self.runner.num_layers, capacity)
         """The KV pool: allocated on the first forward pass, reused by every batch and by scoring."""
+        self.prefix_cache: PrefixCache | None = None
+        if self.config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.cache, self.config.prefix_cache_tokens
+                                            or self.config.max_batch_tokens // 2)
+        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
+                                   self._max_prefill_tokens(), self.continuous, width_align,
+                                   cached_tokens=self._cached_tokens if self.prefix_cache else None)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.cache)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)
@@ -123,10 +130,16 @@ class LLMEngine:
         if plan.layout is not None:
             batch.set_layout(*plan.layout)
         if plan.is_prefill:
+            group, offset = self._with_cached_prefix(plan.prefill)
             start = batch.num_rows
-            ids, lengths = batch.join(plan.prefill)
-            logits = self.runner.prefill(self.cache, start, ids, lengths)
-            rows = slice(start, start + len(plan.prefill))
+            rows = slice(start, start + len(group))
+            prompts = [s.prompt_token_ids for s in group]
+            ids, lengths = batch.join(group, offset)
+            if self.prefix_cache is not None:
+                self.prefix_cache.load(range(start, rows.stop), prompts, offset)
+            logits = self.runner.prefill(self.cache, start, ids, lengths, offset)
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(range(start, rows.stop), prompts)
         else:
             n = plan.num_decode_rows
             rows = slice(0, n)
@@ -134,6 +147,31 @@ class LLMEngine:
             logits = self.runner.decode(self.cache, batch.last[:n], batch.lengths[:n], batch.max_length() + 1)
         tokens, logprobs = self.sampler(logits, **batch.sampler_inputs(rows))
         return batch.record(rows, tokens, logprobs, decode=not plan.is_prefill)
+
+    def _cached_tokens(self, seq: Sequence) -> int:
+        return self.prefix_cache.match(seq.prompt_token_ids)
+
+    def _with_cached_prefix(self, group: list[Sequence]) -> tuple[list[Sequence], int]:
+        """The rows of `group` to prefill now and how many leading tokens of theirs come from the
+        prefix cache (the same for all: one forward pass has one offset); the others go back to
+        the front of the pending rows. Rows that share a block nobody has computed yet run one
+        alone first, so the rest find it cached."""
+        if self.prefix_cache is None:
+            return group, 0
+        matched = [self.prefix_cache.match(s.prompt_token_ids) for s in group]
+        first_new: dict[int, int] = {}
+        for i, (s, m) in enumerate(zip(group, matched)):
+            hashes = block_hashes(s.prompt_token_ids, m + BLOCK_SIZE)
+            if len(hashes) > m // BLOCK_SIZE:
+                j = first_new.setdefault(hashes[m // BLOCK_SIZE], i)
+                if j != i:  # rows j and i share an uncached block: compute it once, with row j
+                    now = [group[j]]
+                    self.scheduler.pending[:0] = [r for r in group if r is not group[j]]
+                    return now, matched[j]
+        best = max(matched)
+        now = [s for s, m in zip(group, matched) if m == best]
+        self.scheduler.pending[:0] = [s for s, m in zip(group, matched) if m != best]
+        return now, best
 
     def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
@@ -155,7 +193,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("score_choices() called while generation requests are still running")
         scores = score_choices(self.runner, self.cache, prompt_ids, choice_ids, self.config.max_batch_tokens,
-                               self.config.max_num_seqs, self.max_model_len)
+                               self.config.max_num_seqs, self.max_model_len, self.prefix_cache)
         self.scheduler.layout = (0, 0)  # scoring laid the pool out its own way
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)

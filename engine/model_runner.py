@@ -138,13 +138,16 @@ class ModelRunner:
             return logits[:, -1, :].float()
         return logits.gather(1, last[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0, :].float()
 
-    def prefill(self, cache: KVCache, start: int, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Prompts input_ids (k, P), right-padded to their lengths (k,), into slots [start, start + k),
-        from column 0. -> logits (k, V) at each prompt's last token."""
-        cols = torch.arange(input_ids.shape[1], device=self.device)[None, :].expand(input_ids.shape[0], -1)
-        cache.prefill(start)
-        bias = self.attention_bias(cols < lengths[:, None], cols)
-        return self.forward(input_ids, bias, cols, cache, (lengths - 1)[:, None])
+    def prefill(self, cache: KVCache, start: int, input_ids: torch.Tensor, lengths: torch.Tensor,
+                offset: int = 0) -> torch.Tensor:
+        """Prompts into slots [start, start + k): input_ids (k, P) are their tokens from `offset`
+        on (columns before it already hold keys and values), right-padded; lengths (k,) are the
+        whole prompts' lengths. -> logits (k, V) at each prompt's last token."""
+        k, p = input_ids.shape
+        cols = offset + torch.arange(p, device=self.device)[None, :].expand(k, -1)
+        cache.prefill(start, offset)
+        keys = torch.arange(offset + p, device=self.device)[None, :] < lengths[:, None]
+        return self.forward(input_ids, self.attention_bias(keys, cols), cols, cache, (lengths - 1 - offset)[:, None])
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """One token per row of slots [0, n): tokens (n,) at columns lengths (n,); attention over

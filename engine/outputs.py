@@ -1,7 +1,7 @@
 """What the engine hands back: one Completion per request, and per-batch statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -48,7 +48,9 @@ class BatchStats:
     prompt_tokens: int
     """Real (unpadded) prompt tokens."""
     padded_prompt_tokens: int
-    """Prompt tokens computed including padding: each prefill's rows x its longest prompt."""
+    """Prompt tokens computed including padding: each prefill's rows x its longest prompt (less the cached prefix)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache instead of a forward pass."""
     peak_rows: int = 0
     """Most rows running at once; <= max_num_seqs."""
     prefill_steps: int = 0
@@ -65,8 +67,8 @@ class BatchStats:
     """Times finished rows left the running batch."""
     seconds: float = 0.0
     """Wall time of the batch, prefill to last token."""
-    extra: dict = field(default_factory=dict)
 
     @property
-    def padding_fraction(self) -> float:
-        return 1.0 - self.prompt_tokens / self.padded_prompt_tokens if self.padded_prompt_tokens else 0.0
+    def prefix_hit_rate(self) -> float:
+        """Share of prompt tokens served by the prefix cache."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

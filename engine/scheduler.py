@@ -10,6 +10,7 @@ only started when it can run to its end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.sequence import Sequence, Status
 
@@ -48,7 +49,8 @@ class Scheduler:
     not the last; neighbours waste little padding; no long request straggles at the end)."""
 
     def __init__(self, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int | None = None, continuous: bool = False, width_align: int = 1):
+                 max_prefill_tokens: int | None = None, continuous: bool = False, width_align: int = 1,
+                 cached_tokens: Callable[[Sequence], int] | None = None):
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -56,6 +58,8 @@ class Scheduler:
         self.continuous = continuous
         self.width_align = width_align
         """Layout widths are rounded up to this (CUDA graphs are captured per layout: fewer layouts)."""
+        self.cached_tokens = cached_tokens or (lambda seq: 0)
+        """Leading prompt tokens of a request that the prefix cache holds (they cost no prefill)."""
         self.waiting: list[Sequence] = []
         self.pending: list[Sequence] = []  # admitted to the batch, prompt not yet prefilled
         self.layout = (0, 0)  # (slots, width) of the KV pool's current layout
@@ -143,7 +147,7 @@ class Scheduler:
         for seq in self.waiting:
             rows = running + k + 1
             width = max(widest, seq.max_len)
-            prompt = max(longest_prompt, seq.num_prompt_tokens)
+            prompt = max(longest_prompt, self._prefill_len(seq))
             if rows > self.max_num_seqs or kv_tokens(rows, width) > self.max_batch_tokens:
                 break
             if k and kv_tokens(k + 1, prompt) > self.max_prefill_tokens:
@@ -152,15 +156,19 @@ class Scheduler:
         return self._take(k)
 
     def prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """Splits off the rows to prefill in one forward pass: rows x longest prompt <= max_prefill_tokens
-        (always at least one row)."""
+        """Splits off the rows to prefill in one forward pass: rows x longest prompt (less its
+        cached prefix) <= max_prefill_tokens (always at least one row)."""
         k = longest = 0
         for seq in pending:
-            longest = max(longest, seq.num_prompt_tokens)
+            longest = max(longest, self._prefill_len(seq))
             if k and kv_tokens(k + 1, longest) > self.max_prefill_tokens:
                 break
             k += 1
         return pending[:k], pending[k:]
+
+    def _prefill_len(self, seq: Sequence) -> int:
+        """Prompt tokens a prefill of `seq` computes."""
+        return seq.num_prompt_tokens - self.cached_tokens(seq)
 
     def _sort(self, key) -> None:
         if not self._sorted:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
+from engine.prefix_cache import PrefixCache
 from engine.scheduler import kv_tokens
 
 LOGITS_BYTES = 256 * 2**20
@@ -40,7 +41,8 @@ class ChoiceScores:
 
 
 def score_choices(runner, cache: KVCache, prompts: list[list[int]], choices: list[list[list[int]]],
-                  max_batch_tokens: int, max_num_seqs: int, max_model_len: int) -> list[ChoiceScores]:
+                  max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
+                  prefix_cache: PrefixCache | None = None) -> list[ChoiceScores]:
     """prompts[i] and choices[i][j] are token ids; returns one ChoiceScores per row, in order."""
     results: list[ChoiceScores | None] = [None] * len(prompts)
     todo = []
@@ -62,7 +64,7 @@ def score_choices(runner, cache: KVCache, prompts: list[list[int]], choices: lis
             todo.append(i)
     for group in _groups(todo, prompts, choices, max_batch_tokens, max_num_seqs):
         for i, scores in zip(group, _score_group(runner, cache, [prompts[i] for i in group],
-                                                 [choices[i] for i in group])):
+                                                 [choices[i] for i in group], prefix_cache)):
             results[i] = scores
     return results
 
@@ -86,8 +88,8 @@ def _groups(rows, prompts, choices, max_batch_tokens: int, max_num_seqs: int):
 
 
 @torch.inference_mode()
-def _score_group(runner, cache: KVCache, prompts: list[list[int]],
-                 choices: list[list[list[int]]]) -> list[ChoiceScores]:
+def _score_group(runner, cache: KVCache, prompts: list[list[int]], choices: list[list[list[int]]],
+                 prefix_cache: PrefixCache | None) -> list[ChoiceScores]:
     device = runner.device
     plens = torch.tensor([len(p) for p in prompts], device=device)
     plen = int(plens.max())
@@ -96,11 +98,16 @@ def _score_group(runner, cache: KVCache, prompts: list[list[int]],
     flat = [c for cs in choices for c in cs]
     cache.set_layout(len(prompts), plen + clen, device=device)
 
-    # Pass 1: prompts, right-padded; the logits at each prompt's last token score first choice tokens.
-    ids = torch.zeros((len(prompts), plen), dtype=torch.int64)
+    # Pass 1: prompts, right-padded, after the prefix they all share when it is cached; the
+    # logits at each prompt's last token score first choice tokens.
+    rows = list(range(len(prompts)))
+    offset = prefix_cache.shared_prefix(runner, rows, prompts) if prefix_cache is not None else 0
+    ids = torch.zeros((len(prompts), plen - offset), dtype=torch.int64)
     for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    first = runner.prefill(cache, 0, ids.to(device), plens)
+        ids[i, : len(p) - offset] = torch.tensor(p[offset:])
+    first = runner.prefill(cache, 0, ids.to(device), plens, offset)
+    if prefix_cache is not None:
+        prefix_cache.store(rows, prompts)
     first = torch.log_softmax(first, dim=-1)[owner]  # (C, V)
     firsts = torch.tensor([c[0] for c in flat], device=device)
     totals = first.gather(1, firsts[:, None])[:, 0]  # (C,)

@@ -1,0 +1,104 @@
+"""Prefix caching: shared prompt blocks computed once; results equal caching off."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import SCHEDULING_MODES
+from engine.prefix_cache import BLOCK_SIZE, block_hashes
+from test_parity import assert_same_tokens, reference
+
+PREFIX = "Label the sentiment of the review as positive or negative. Review:"  # 66 bytes: ends mid-block
+REVIEWS = [" great film", " awful, just awful", " fine I guess", " loved every minute of it", " meh", " no"]
+
+
+def engine(path, on: bool, mode: str = "static", **kw) -> LLMEngine:
+    settings = dict(model=str(path), max_batch_tokens=2048, max_num_seqs=8, scheduling=mode,
+                    enable_prefix_caching=on)
+    return LLMEngine(EngineConfig(**{**settings, **kw}))
+
+
+def test_block_hashes_name_the_whole_prefix():
+    a = list(range(40))
+    b = list(range(40))
+    b[3] = 999  # differs in the first block: every later block's name differs too
+    assert len(block_hashes(a)) == 40 // BLOCK_SIZE
+    assert block_hashes(a)[0] == block_hashes(a[:16])[0]
+    assert not set(block_hashes(a)) & set(block_hashes(b))
+    assert block_hashes(a, limit=31) == block_hashes(a)[:1]
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_greedy_tokens_equal_caching_off_and_transformers(mode, tiny_model_dir, reference_model):
+    path = tiny_model_dir("llama")
+    prompts = [PREFIX + r for r in REVIEWS]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    on, off = engine(path, True, mode), engine(path, False, mode)
+    got_on, got_off = on.generate(prompts, params), off.generate(prompts, params)
+    ref_model = reference_model(path)
+    for p, a, b in zip(prompts, got_on, got_off):
+        ref, logits = reference(ref_model, on.tokenizer.encode(p), 12, stop_at_eos=False)
+        assert_same_tokens(a.token_ids, ref, logits, f"cached {mode} {p[-12:]!r}")
+        assert_same_tokens(b.token_ids, ref, logits, f"uncached {mode} {p[-12:]!r}")
+    cached = sum(s.cached_prompt_tokens for s in on.batch_stats)
+    shared_blocks = len(on.tokenizer.encode(PREFIX)) // BLOCK_SIZE * BLOCK_SIZE
+    assert cached == shared_blocks * (len(prompts) - 1)  # every row but the first reuses the prefix
+    assert sum(s.cached_prompt_tokens for s in off.batch_stats) == 0
+
+
+def test_a_prefix_is_reused_across_generate_calls(tiny_model_dir):
+    llm = engine(tiny_model_dir("llama"), True)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm.generate([PREFIX + REVIEWS[0]], params)
+    assert llm.batch_stats[-1].cached_prompt_tokens == 0
+    llm.generate([PREFIX + REVIEWS[1]], params)
+    assert llm.batch_stats[-1].cached_prompt_tokens > 0
+    assert llm.prefix_cache.hit_rate > 0
+
+
+def test_rows_that_share_nothing_hit_nothing_and_are_unchanged(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    prompts = [f"{i}: " + chr(65 + i) * (20 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    on = engine(path, True)
+    assert [o.token_ids for o in on.generate(prompts, params)] == \
+        [o.token_ids for o in engine(path, False).generate(prompts, params)]
+    assert sum(s.cached_prompt_tokens for s in on.batch_stats) == 0
+
+
+def test_more_prefixes_than_the_store_holds_evicts_and_stays_correct(tiny_model_dir):
+    """A 4-block store and 6 distinct 3-block prefixes, each used twice: blocks are evicted least
+    recently used first, the store never grows, and every result equals caching off."""
+    path = tiny_model_dir("llama")
+    prefixes = [f"prefix {i} " + chr(97 + i) * 40 for i in range(6)]
+    prompts = [p + s for s in (" one", " two") for p in prefixes]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    on = engine(path, True, max_num_seqs=1, prefix_cache_tokens=4 * BLOCK_SIZE)
+    got = [o.token_ids for o in on.generate(prompts, params)]
+    assert got == [o.token_ids for o in engine(path, False, max_num_seqs=1).generate(prompts, params)]
+    assert len(on.prefix_cache.blocks) <= 4 and on.prefix_cache.num_blocks == 4
+    # each prefix is evicted before its second use comes round: nothing reusable survived
+    assert on.prefix_cache.hit_tokens == 0
+    on.generate([prompts[-1]], params)  # but the most recent prefix is still there
+    assert on.batch_stats[-1].cached_prompt_tokens > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_caching_on_or_off(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    prompts = [PREFIX + r for r in REVIEWS]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(len(prompts))]
+    on = [o.token_ids for o in engine(path, True, "continuous").generate(prompts, params)]
+    off = [o.token_ids for o in engine(path, False, "continuous").generate(prompts, params)]
+    assert on == off
+
+
+def test_choice_scores_equal_caching_off(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    prompts = [PREFIX + r + " Sentiment:" for r in REVIEWS]
+    choices = [[" positive", " negative", " neutral"]] * len(prompts)
+    on = engine(path, True)
+    got = on.score_choices(prompts, choices)
+    want = engine(path, False).score_choices(prompts, choices)
+    for a, b in zip(got, want):
+        assert a.error is None and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert on.prefix_cache.hit_rate > 0.5

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine import __version__
 from engine.config import EngineConfig
-from engine.loader import ModelLoadError, check_weights, load_tokenizer, one_line, resolve_model_dir
+from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
 from pipeline import chaos
 from pipeline.lock import LockHeld, RunLock
 from pipeline.metrics import MetricsAccumulator
@@ -181,14 +181,13 @@ def input_columns(spec: dict, builder: PromptBuilder) -> list[str]:
 
 
 def check_model(config: EngineConfig):
-    """Resolves the model directory, checks its weights and loads its tokenizer (no weights).
-    Returns the tokenizer."""
+    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
+    loads its tokenizer. Returns the tokenizer."""
     try:
-        model_dir = resolve_model_dir(config)
-        check_weights(model_dir, config.allow_pickle)
-        return load_tokenizer(config, model_dir)
+        return load_tokenizer(config, check_model_files(config))
     except (ModelLoadError, ValueError) as exc:
-        raise JobError(f"model {config.model}: {exc}") from None
+        message = str(exc)  # Hub errors name the id already
+        raise JobError(message if config.model in message else f"model {config.model}: {message}") from None
 
 
 def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool) -> dict:

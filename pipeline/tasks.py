@@ -61,12 +61,13 @@ def row_seed(base: int, row_id: str) -> int:
 class TaskRunner:
     """Turns rows into output records (the BASE_COLUMNS plus the task's own columns)."""
 
-    def __init__(self, spec: dict, engine: LLMEngine):
+    def __init__(self, spec: dict, engine: LLMEngine, prompts: PromptBuilder | None = None):
+        """`prompts` builds each row's prompt; default: from the spec's input section."""
         self.spec = spec
         self.engine = engine
         self.task = spec["task"]
         self.openai_input = spec["input"]["format"] == "openai_batch"
-        self.prompts = None if self.openai_input else PromptBuilder.from_spec(spec["input"])
+        self.prompts = None if self.openai_input else prompts or PromptBuilder.from_spec(spec["input"])
         sampling = dict(spec["sampling"])
         seed = sampling.pop("seed")
         self.base_seed = spec["seed"] if seed is None else seed

@@ -85,7 +85,7 @@ class TaskRunner:
     def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[dict]:
         """One record per row, in order; `errors[i]` set = the row failed before this stage."""
         records: list[dict | None] = [None] * len(rows)
-        todo, prompts, params, requests = self._prepare(rows, ids, errors)
+        todo, prompts, params, requests = self.prepare(rows, ids, errors)
         if self.scoring:
             self._score(rows, todo, prompts, errors, records)
         else:
@@ -106,9 +106,9 @@ class TaskRunner:
             self._add_scores(rows, records)
         return records
 
-    def _prepare(self, rows, ids, errors):
+    def prepare(self, rows, ids, errors):
         """Indices of the rows that run, and their prompts (text or token ids), sampling params
-        and OpenAI requests (None for other inputs)."""
+        and OpenAI requests (None for other inputs); sets `errors[i]` of a row that cannot run."""
         todo, prompts, params, requests = [], [], [], []
         for i, row in enumerate(rows):
             if errors[i] is not None:

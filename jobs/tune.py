@@ -1,0 +1,319 @@
+"""`batchinfer tune`: runs a sample of a job's own input through the engine at a small grid of
+max_batch_tokens x max_num_seqs x scheduling, measures each, and recommends a setting that fits
+a memory limit.
+
+Each setting gets a fresh engine in this process (the model is loaded once per setting). What is
+measured, per setting, over the sample (all requests queued at t=0, as in a job):
+  throughput  generated and total (prompt + generated) tokens per second of wall time;
+  TTFT        time from the start to each request's first token (mostly queueing, offline);
+  peak KV     most KV-cache slots reserved at once (rows x widest row, from the engine's batch
+              statistics) x bytes per slot (2 x layers x KV heads x head dim x dtype size);
+  peak mem    peak device memory allocated on CUDA; on CPU the peak resident set of this
+              process while the setting ran (sampled every 10 ms), model weights included.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+from jobs.spec import JobSpec
+
+SCHEDULING = ("static", "continuous")
+DEFAULT_ROWS = 256
+"""Rows of the job's input run at each setting."""
+MIN_SECONDS, REPEATS = 3.0, 3
+"""A setting whose sample runs in under MIN_SECONDS is run up to REPEATS times (median kept)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the grid: the engine knobs that shape batches."""
+
+    max_batch_tokens: int
+    max_num_seqs: int
+    scheduling: str
+
+    def flags(self) -> str:
+        return " ".join(f"--set engine.{k}={v}" for k, v in self.__dict__.items())
+
+
+@dataclass
+class Measurement:
+    """What one setting did with the sample."""
+
+    setting: Setting
+    seconds: float
+    """Wall time of the sample, engine loading excluded."""
+    rows: int
+    errors: int
+    """Rows the engine refused (e.g. prompt + max_tokens above max_batch_tokens) or failed."""
+    prompt_tokens: int
+    generated_tokens: int
+    ttft: list[float] = field(default_factory=list)
+    """Seconds from the start to each generated request's first token."""
+    peak_kv_tokens: int | None = None
+    """Most KV-cache slots reserved at once (None: the task generated nothing)."""
+    kv_bytes_per_token: int = 0
+    peak_memory_bytes: int = 0
+
+    @property
+    def peak_kv_bytes(self) -> int | None:
+        return self.peak_kv_tokens * self.kv_bytes_per_token if self.peak_kv_tokens else None
+
+    @property
+    def generated_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def total_per_s(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
+
+
+def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_seqs: list[int] | None = None,
+              scheduling: list[str] | tuple[str, ...] = SCHEDULING) -> list[Setting]:
+    """Every combination of the given values; an axis left out takes values around the spec's:
+    max_batch_tokens x 1/2, 1, 2 and max_num_seqs x 1/4, 1."""
+    mbt, mns = spec.engine.max_batch_tokens, spec.engine.max_num_seqs
+    bad = [m for m in scheduling if m not in SCHEDULING]
+    if bad or not scheduling:
+        raise ValueError(f"scheduling must be among {', '.join(SCHEDULING)}, got {', '.join(bad) or 'none'}")
+    mbt_values = max_batch_tokens or [max(1, mbt // 2), mbt, mbt * 2]
+    mns_values = max_num_seqs or [max(1, mns // 4), mns]
+    return [Setting(*point) for point in itertools.product(sorted(set(mbt_values)), sorted(set(mns_values)),
+                                                            dict.fromkeys(scheduling))]
+
+
+def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
+    """The first `n` readable rows of the job's input, with their ids (lines that do not parse
+    are left out)."""
+    from pipeline.source import list_inputs, plan_shards, read_shard
+    from pipeline.storage import Storage
+
+    storage = Storage(spec.input.path, spec.input.storage_options)
+    rows, ids = [], []
+    for shard in plan_shards(storage, list_inputs(storage, spec.input.format), n):
+        for row, row_id, error in zip(*read_shard(storage, shard)):
+            if error is None:
+                rows.append(row)
+                own = row.get(spec.input.id_column) if spec.input.id_column else None
+                ids.append(row_id if own is None else str(own))
+        if len(rows) >= n:
+            break
+    return rows[:n], ids[:n]
+
+
+def measure(spec: dict, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
+    """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
+    runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
+    from engine import LLMEngine, SamplingParams
+    from pipeline.tasks import TaskRunner
+    from pipeline.worker import engine_config
+
+    spec = {**spec, "engine": {**spec["engine"], **setting.__dict__}}
+    llm = LLMEngine(engine_config(spec))
+    tasks = TaskRunner(spec, llm)
+    llm.generate(["warm-up"], SamplingParams(max_tokens=2))  # first-call allocations
+    runs = []
+    with _MemoryPeak() as memory:
+        while not runs or (len(runs) < REPEATS and sum(r.seconds for r in runs) < MIN_SECONDS):
+            runs.append(_run_once(setting, llm, tasks, rows, ids))
+    run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    run.kv_bytes_per_token, run.peak_memory_bytes = kv_bytes_per_token(llm.config), memory.peak
+    return run
+
+
+def _run_once(setting: Setting, llm, tasks, rows, ids) -> Measurement:
+    """One pass over the sample."""
+    llm.batch_stats.clear()
+    start = time.perf_counter()
+    counts, ttft = _score(tasks, rows, ids) if tasks.scoring else _generate(llm, tasks, rows, ids, start)
+    seconds = time.perf_counter() - start
+    slots = max((s.reserved_tokens for s in llm.batch_stats), default=None)
+    return Measurement(setting, seconds, rows=len(rows), **counts, ttft=ttft, peak_kv_tokens=slots)
+
+
+def _generate(llm, tasks, rows, ids, start: float) -> tuple[dict, list[float]]:
+    """The job's prompts and sampling, submitted one request each so that every request's first
+    token time can be read."""
+    errors = [None] * len(rows)
+    _, prompts, params, _ = tasks.prepare(rows, ids, errors)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while llm.has_unfinished():
+        llm.step()
+    done = [s.to_completion() for s in seqs]
+    counts = {"errors": len(rows) - len(done) + sum(c.finish_reason == "error" for c in done),
+              "prompt_tokens": sum(c.num_prompt_tokens for c in done),
+              "generated_tokens": sum(c.num_generated_tokens for c in done)}
+    return counts, [s.first_token_time - start for s in seqs if s.first_token_time is not None]
+
+
+def _score(tasks, rows, ids) -> tuple[dict, list[float]]:
+    """Labeling by choice scoring: the job's own task code; no tokens are generated."""
+    records = tasks.run(rows, ids, [None] * len(rows))
+    return {"errors": sum(r["finish_reason"] == "error" for r in records), "generated_tokens": 0,
+            "prompt_tokens": sum(r["num_prompt_tokens"] for r in records)}, []
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of keys and values one token holds across all layers, from the model's config."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine.loader import resolve_model_dir
+
+    text = AutoConfig.from_pretrained(resolve_model_dir(config)).get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = config.dtype
+    if dtype == "auto":
+        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+        dtype = "bfloat16" if cuda else "float32"
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+class _MemoryPeak:
+    """Peak memory while the block runs: CUDA's peak allocation, else this process's resident
+    set sampled every 10 ms (Linux /proc; elsewhere the process's lifetime peak)."""
+
+    def __enter__(self):
+        import torch
+
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.peak, self._stop = _rss(), threading.Event()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._stop.set()
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._thread.join()
+            self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    import os
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def recommend(results: list[Measurement], memory_limit: int | None) -> Measurement | None:
+    """The fastest setting with the fewest errors whose peak memory fits under the limit."""
+    if not results:
+        return None
+    fewest = min(r.errors for r in results)
+    fits = [r for r in results if r.errors == fewest and (memory_limit is None or r.peak_memory_bytes <= memory_limit)]
+    return max(fits, key=lambda r: (r.generated_per_s or r.total_per_s), default=None)
+
+
+def run_tune(spec: JobSpec, rows: int, settings: list[Setting], progress=print) -> list[Measurement]:
+    """Measures every setting on the first `rows` rows of the job's input."""
+    sample, ids = sample_rows(spec, rows)
+    if not sample:
+        raise ValueError(f"no readable rows in {spec.input.path}")
+    data = spec.model_dump(mode="json")
+    results = []
+    for i, setting in enumerate(settings, 1):
+        progress(f"[{i}/{len(settings)}] {setting.flags()} on {len(sample)} rows")
+        results.append(measure(data, setting, sample, ids))
+        gc.collect()  # the setting's engine, before the next one is measured
+    return results
+
+
+def table(results: list[Measurement], best: Measurement | None) -> str:
+    """One line per setting; the recommended one starts with `*`."""
+    head = ("max_batch_tokens", "max_num_seqs", "scheduling", "s", "gen tok/s", "total tok/s",
+            "TTFT mean/p90 (s)", "peak KV MiB", "peak mem MiB", "errors")
+    lines = [head]
+    for r in results:
+        ttft = f"{statistics.fmean(r.ttft):.2f}/{_p90(r.ttft):.2f}" if r.ttft else "-"
+        kv = f"{r.peak_kv_bytes / 2**20:.1f}" if r.peak_kv_bytes else "-"
+        s = r.setting
+        lines.append((str(s.max_batch_tokens), str(s.max_num_seqs), s.scheduling, f"{r.seconds:.1f}",
+                      f"{r.generated_per_s:.1f}", f"{r.total_per_s:.1f}", ttft, kv,
+                      f"{r.peak_memory_bytes / 2**20:.0f}", str(r.errors)))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    marks = ["  "] + ["* " if r is best else "  " for r in results]
+    return "\n".join(mark + "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for mark, row in zip(marks, lines))
+
+
+def summary(results: list[Measurement], best: Measurement | None, memory_limit: int | None) -> str:
+    """The recommendation in one line, as the flags that set it."""
+    limit = f" under {memory_limit / 2**20:.0f} MiB" if memory_limit is not None else ""
+    if best is None:
+        smallest = min(results, key=lambda r: r.peak_memory_bytes)
+        return (f"no setting fits{limit}: the smallest peak was {smallest.peak_memory_bytes / 2**20:.0f} MiB "
+                f"({smallest.setting.flags()})")
+    rate = f"{best.generated_per_s:.1f} generated tok/s" if best.generated_tokens else f"{best.total_per_s:.1f} tok/s"
+    return (f"recommended{limit}: {best.setting.flags()} ({rate}, peak memory "
+            f"{best.peak_memory_bytes / 2**20:.0f} MiB)")
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '8G' (10^9), '512MiB', '2e9' -> bytes."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    raw = text.strip().lower().removesuffix("b")
+    number = raw.rstrip("kmgti")
+    unit = raw[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 8GiB, 512MiB, 16G)")
+    return int(float(number) * units[unit])
+
+
+def plot(results: list[Measurement], best: Measurement | None, memory_limit: int | None, path: str) -> None:
+    """Throughput against peak memory, one marker per scheduling mode, each point labelled."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, marker in zip(SCHEDULING, "os"):
+        pts = [r for r in results if r.setting.scheduling == mode]
+        ax.scatter([r.peak_memory_bytes / 2**20 for r in pts], [r.generated_per_s or r.total_per_s for r in pts],
+                   marker=marker, label=mode)
+        for r in pts:
+            ax.annotate(f"{r.setting.max_batch_tokens}/{r.setting.max_num_seqs}",
+                        (r.peak_memory_bytes / 2**20, r.generated_per_s or r.total_per_s), fontsize=7)
+    if best is not None:
+        ax.scatter([best.peak_memory_bytes / 2**20], [best.generated_per_s or best.total_per_s], s=200,
+                   facecolors="none", edgecolors="red", label="recommended")
+    if memory_limit is not None:
+        ax.axvline(memory_limit / 2**20, color="grey", linestyle="--", label="memory limit")
+    ax.set_xlabel("peak memory (MiB)")
+    ax.set_ylabel("generated tokens/s" if any(r.generated_tokens for r in results) else "tokens/s")
+    ax.set_title("batchinfer tune: labels are max_batch_tokens/max_num_seqs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

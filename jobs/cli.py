@@ -199,6 +199,7 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
     Runs the sample at each max_batch_tokens x max_num_seqs x scheduling point in this process
     and prints throughput, time to first token, peak KV-cache and peak memory per setting."""
     from jobs import tune as T
+    from jobs import tune_report as R
 
     spec = _load(config, model, input_, "(unused by tune)", overrides)
     try:
@@ -210,11 +211,11 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED)
     best = T.recommend(results, limit)
-    click.echo(T.table(results, best))
-    click.echo(T.summary(results, best, limit))
+    click.echo(R.table(results, best))
+    click.echo(R.summary(results, best, limit))
     if plot:
         try:
-            T.plot(results, best, limit, plot)
+            R.plot(results, best, limit, plot)
         except RuntimeError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_FAILED)

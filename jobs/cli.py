@@ -62,8 +62,7 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
     data["fingerprint"] = spec.fingerprint()
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(data, overwrite=overwrite, address=address,
-                         progress=lambda msg: click.echo(scrub(msg, secrets), err=True))
+        result = run_job(data, overwrite=overwrite, address=address, progress=_progress(secrets))
     except JobError as exc:
         click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
         return EXIT_FAILED
@@ -80,6 +79,16 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
             click.echo(f"  - {scrub(cause, secrets)}", err=True)
         return EXIT_ERROR_RATE
     return EXIT_OK
+
+
+def _progress(secrets):
+    """A live bar when stderr is a terminal, plain lines otherwise (logs, cron, ray job submit)."""
+    from pipeline.progress import Progress, ProgressBar
+    from pipeline.storage import scrub
+
+    stream = click.get_text_stream("stderr")
+    write = lambda msg: click.echo(scrub(msg, secrets), err=True)  # noqa: E731
+    return ProgressBar(stream, write) if stream.isatty() else Progress(write)
 
 
 def summary_table(result) -> str:

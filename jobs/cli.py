@@ -196,7 +196,7 @@ def report_table(data: dict) -> str:
 @click.option("--memory-limit", default=None, metavar="SIZE",
               help="Recommend only settings whose peak memory fits, e.g. 8GiB (GPU memory on CUDA).")
 @click.option("--max-batch-tokens", "mbt", default=None, metavar="N,N,...",
-              help="max_batch_tokens values [default: 1/2, 1 and 2 x the spec's].")
+              help="max_batch_tokens values [default: 1 and 2 x the spec's].")
 @click.option("--max-num-seqs", "mns", default=None, metavar="N,N,...",
               help="max_num_seqs values [default: 1/4 and 1 x the spec's].")
 @click.option("--scheduling", default=",".join(("static", "continuous")), show_default=True, metavar="MODE,...")

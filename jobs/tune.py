@@ -74,13 +74,13 @@ class Measurement:
 
 def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_seqs: list[int] | None = None,
               scheduling: list[str] | tuple[str, ...] = SCHEDULING) -> list[Setting]:
-    """Every combination of the given values; an axis left out takes values around the spec's:
-    max_batch_tokens x 1/2, 1, 2 and max_num_seqs x 1/4, 1."""
+    """Every combination of the given values; an axis left out takes the spec's value and one
+    other: max_batch_tokens x 1 and 2, max_num_seqs x 1/4 and 1 (8 settings with both modes)."""
     mbt, mns = spec.engine.max_batch_tokens, spec.engine.max_num_seqs
     bad = [m for m in scheduling if m not in SCHEDULING]
     if bad or not scheduling:
         raise ValueError(f"scheduling must be among {', '.join(SCHEDULING)}, got {', '.join(bad) or 'none'}")
-    mbt_values = max_batch_tokens or [max(1, mbt // 2), mbt, mbt * 2]
+    mbt_values = max_batch_tokens or [mbt, mbt * 2]
     mns_values = max_num_seqs or [max(1, mns // 4), mns]
     return [Setting(*point) for point in itertools.product(sorted(set(mbt_values)), sorted(set(mns_values)),
                                                             dict.fromkeys(scheduling))]

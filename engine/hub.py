@@ -123,8 +123,14 @@ class _download_lock:
     def __init__(self, repo_id: str):
         from filelock import FileLock
 
+        from engine.loader import ModelLoadError, one_line
+
         path = cache_dir() / ".locks" / ("models--" + repo_id.replace("/", "--")) / "batchinfer-snapshot.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot write to the Hugging Face cache {cache_dir()} to fetch {repo_id} "
+                                 f"(set HF_HUB_CACHE, or HF_HUB_OFFLINE=1 for a read-only cache): {one_line(exc)}")
         self.repo_id, self.lock = repo_id, FileLock(str(path))
 
     def __enter__(self):

@@ -138,3 +138,10 @@ def _resolve_error(repo_id: str) -> str:
     except ModelLoadError as exc:
         return str(exc)
     return ""
+
+
+def test_an_unwritable_cache_online_is_one_line(online_hub, tmp_path, monkeypatch):
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "not-a-dir"))
+    with pytest.raises(ModelLoadError, match="cannot write to the Hugging Face cache .* to fetch nobody/x .*HF_HUB_OFFLINE"):
+        hub.resolve("nobody/x")

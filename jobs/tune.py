@@ -2,8 +2,10 @@
 max_batch_tokens x max_num_seqs x scheduling, measures each, and recommends a setting that fits
 a memory limit.
 
-Each setting gets a fresh engine in this process (the model is loaded once per setting). What is
-measured, per setting, over the sample (all requests queued at t=0, as in a job):
+Each setting gets a fresh engine in this process (the model is loaded once per setting), set up
+as one of the job's actors: on CPU it gets the torch threads of one of `workers.num` engines
+sharing the cores, so the figures are one engine's. What is measured, per setting, over the
+sample (all requests queued at t=0, as in a job):
   throughput  generated and total (prompt + generated) tokens per second of wall time;
   TTFT        time from the start to each request's first token (mostly queueing, offline);
   peak KV     most KV-cache slots reserved at once (rows x widest row, from the engine's batch
@@ -26,6 +28,8 @@ DEFAULT_ROWS = 256
 """Rows of the job's input run at each setting."""
 MIN_SECONDS, REPEATS = 3.0, 3
 """A setting whose sample runs in under MIN_SECONDS is run up to REPEATS times (median kept)."""
+NEAR_BEST = 0.05
+"""Settings this close to the fastest count as fast as it; the smallest of them is recommended."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class Measurement:
     def total_per_s(self) -> float:
         return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
 
+    @property
+    def rate(self) -> float:
+        """What settings are ranked by: generated tokens/s, or total tokens/s for choice scoring
+        (which generates none)."""
+        return self.generated_per_s or self.total_per_s
+
 
 def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_seqs: list[int] | None = None,
               scheduling: list[str] | tuple[str, ...] = SCHEDULING) -> list[Setting]:
@@ -108,13 +118,11 @@ def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
 def measure(spec: dict, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
     """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
     runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
-    from engine import LLMEngine, SamplingParams
-    from pipeline.tasks import TaskRunner
-    from pipeline.worker import engine_config
+    from engine import SamplingParams
+    from pipeline.worker import start_engine
 
     spec = {**spec, "engine": {**spec["engine"], **setting.__dict__}}
-    llm = LLMEngine(engine_config(spec))
-    tasks = TaskRunner(spec, llm)
+    llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
     llm.generate(["warm-up"], SamplingParams(max_tokens=2))  # first-call allocations
     runs = []
     with _MemoryPeak() as memory:
@@ -218,12 +226,18 @@ def _rss() -> int:
 
 
 def recommend(results: list[Measurement], memory_limit: int | None) -> Measurement | None:
-    """The fastest setting with the fewest errors whose peak memory fits under the limit."""
+    """Among the settings with the fewest errors whose peak memory fits under the limit, the
+    smallest (least KV memory, then the smallest budget) within NEAR_BEST of the fastest: a bigger
+    budget that buys less than that is not worth its memory."""
     if not results:
         return None
     fewest = min(r.errors for r in results)
     fits = [r for r in results if r.errors == fewest and (memory_limit is None or r.peak_memory_bytes <= memory_limit)]
-    return max(fits, key=lambda r: (r.generated_per_s or r.total_per_s), default=None)
+    if not fits:
+        return None
+    best = max(r.rate for r in fits)
+    near = [r for r in fits if r.rate >= (1 - NEAR_BEST) * best]
+    return min(near, key=lambda r: (r.peak_kv_bytes or 0, r.setting.max_batch_tokens, r.setting.max_num_seqs, -r.rate))
 
 
 def run_tune(spec: JobSpec, rows: int, settings: list[Setting], progress=print) -> list[Measurement]:

@@ -53,13 +53,13 @@ def plot(results: list[Measurement], best: Measurement | None, memory_limit: int
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, marker in zip(SCHEDULING, "os"):
         pts = [r for r in results if r.setting.scheduling == mode]
-        ax.scatter([r.peak_memory_bytes / 2**20 for r in pts], [r.generated_per_s or r.total_per_s for r in pts],
+        ax.scatter([r.peak_memory_bytes / 2**20 for r in pts], [r.rate for r in pts],
                    marker=marker, label=mode)
         for r in pts:
             ax.annotate(f"{r.setting.max_batch_tokens}/{r.setting.max_num_seqs}",
-                        (r.peak_memory_bytes / 2**20, r.generated_per_s or r.total_per_s), fontsize=7)
+                        (r.peak_memory_bytes / 2**20, r.rate), fontsize=7)
     if best is not None:
-        ax.scatter([best.peak_memory_bytes / 2**20], [best.generated_per_s or best.total_per_s], s=200,
+        ax.scatter([best.peak_memory_bytes / 2**20], [best.rate], s=200,
                    facecolors="none", edgecolors="red", label="recommended")
     if memory_limit is not None:
         ax.axvline(memory_limit / 2**20, color="grey", linestyle="--", label="memory limit")

@@ -79,3 +79,17 @@ def test_memory_sizes_and_kv_bytes():
     assert T.parse_bytes("512MiB") == 512 * 2**20 and T.parse_bytes("2e9") == 2 * 10**9
     # builtin:tiny: 4 layers x 2 KV heads x head dim 32, keys and values, float32 on CPU
     assert T.kv_bytes_per_token(EngineConfig(model="builtin:tiny", device="cpu")) == 4 * 2 * 32 * 2 * 4
+
+
+def test_recommendation_is_the_smallest_setting_near_the_fastest_that_fits():
+    def m(mbt, mns, tokens, kv, memory, errors=0):
+        return T.Measurement(T.Setting(mbt, mns, "static"), seconds=1.0, rows=10, errors=errors, prompt_tokens=0,
+                             generated_tokens=tokens, peak_kv_tokens=kv, kv_bytes_per_token=1,
+                             peak_memory_bytes=memory)
+
+    small, big, bigger = m(1024, 8, 980, 500, 100), m(4096, 32, 1000, 2000, 200), m(8192, 64, 1500, 4000, 400)
+    broken = m(512, 8, 2000, 100, 50, errors=3)
+    assert T.recommend([small, big, broken], None) is small  # 2% slower for a quarter of the KV memory
+    assert T.recommend([small, big, bigger, broken], None) is bigger
+    assert T.recommend([small, big, bigger], memory_limit=300) is small
+    assert T.recommend([big, bigger], memory_limit=150) is None

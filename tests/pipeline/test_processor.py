@@ -68,3 +68,12 @@ def test_config_is_validated_like_a_job_spec():
         build_processor({"engine": {"scheduling": "sometimes"}})
     with pytest.raises(SpecError, match="task label needs label.choices"):
         build_processor({"task": "label"})
+
+
+def test_row_ids_seed_sampling_so_a_prompt_samples_the_same_tokens():
+    from pipeline.processor import row_id
+
+    assert row_id({"prompt": "same"}) == row_id({"prompt": "same", "other": 1}) != row_id({"prompt": "else"})
+    assert row_id({"id": 7, "prompt": "same"}) == "7"
+    chat = [{"role": "user", "content": "hi"}]
+    assert row_id({"messages": chat, "prompt": None}) == row_id({"messages": chat}) != row_id({"prompt": "hi"})

@@ -13,6 +13,8 @@ class EngineConfig:
 
     model: str = "builtin:tiny"
     """Hugging Face model directory (local, or s3://, gs://... copied to a local cache), or `builtin:tiny`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit hash) of a Hugging Face model id; None = main. Not used for directories."""
     max_batch_tokens: int = 8192
     """KV-cache tokens one batch may reserve: rows x (longest prompt + largest max_tokens)."""
     max_num_seqs: int = 64

@@ -1,10 +1,12 @@
-"""Finds, checks and loads model directories: local, object storage (copied first) or builtin."""
+"""Finds, checks and loads model directories: local, object storage (copied first), Hugging Face
+Hub ids (engine.hub) or builtin."""
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
 
+from engine import hub
 from engine.builtin import builtin_path, default_cache_dir, is_builtin
 from engine.config import EngineConfig
 
@@ -15,8 +17,11 @@ class ModelLoadError(RuntimeError):
     """The model cannot be loaded; the message says why in one line."""
 
 
-def resolve_model_dir(config: EngineConfig, which: str | None = None) -> Path:
-    """Local directory holding `which` (default: config.model), copying remote models to the cache."""
+def resolve_model_dir(config: EngineConfig, which: str | None = None, weights: bool = True) -> Path:
+    """Local directory holding `which` (default: config.model): a builtin, a local directory, a
+    copy of an object-storage URL, or a Hugging Face Hub snapshot. An existing local path wins
+    over a Hub id of the same shape. weights=False fetches only config and tokenizer files of a
+    Hub model (the other kinds are resolved whole)."""
     ref = which or config.model
     if is_builtin(ref):
         return builtin_path(ref, config.cache_dir)
@@ -25,10 +30,28 @@ def resolve_model_dir(config: EngineConfig, which: str | None = None) -> Path:
     if "://" in ref:
         return _copy_remote(ref, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
     path = Path(ref).expanduser()
+    if is_hub_model(ref):
+        revision = config.revision if which is None or which == config.model else None
+        return hub.resolve(ref, revision, weights=weights, allow_pickle=config.allow_pickle,
+                           trust_remote_code=config.trust_remote_code)
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {ref}")
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{ref} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def is_hub_model(ref: str) -> bool:
+    """A Hugging Face Hub id: `org/name` shaped, not a builtin, a URL or an existing local path."""
+    return not is_builtin(ref) and "://" not in ref and not Path(ref).expanduser().exists() and hub.is_hub_id(ref)
+
+
+def check_model_files(config: EngineConfig) -> Path:
+    """Resolves config.model and checks its weights without fetching a Hub model's weights (the
+    Hub's file list is checked instead). Returns the directory holding config and tokenizer."""
+    path = resolve_model_dir(config, weights=False)
+    names = hub.list_files(config.model, config.revision, path) if is_hub_model(config.model) else None
+    check_weights(path, config.allow_pickle, names)
     return path
 
 
@@ -56,9 +79,10 @@ def _copy_remote(url: str, cache_dir: Path) -> Path:
     return target
 
 
-def check_weights(path: Path, allow_pickle: bool) -> None:
-    """Refuses pickle-only weights unless the user opted in."""
-    names = [p.name for p in path.iterdir()]
+def check_weights(path: Path, allow_pickle: bool, names: list[str] | None = None) -> None:
+    """Refuses pickle-only weights unless the user opted in. `names`: the model's file names
+    when they are not all in `path` (a Hub model checked before its weights are fetched)."""
+    names = [p.name for p in path.iterdir()] if names is None else names
     if any(n.endswith(".safetensors") for n in names):
         return
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
@@ -80,7 +104,7 @@ def quiet_transformers() -> None:
 def load_tokenizer(config: EngineConfig, model_dir: Path):
     from transformers import AutoTokenizer
 
-    tok_dir = resolve_model_dir(config, config.tokenizer) if config.tokenizer else model_dir
+    tok_dir = resolve_model_dir(config, config.tokenizer, weights=False) if config.tokenizer else model_dir
     try:
         return AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
     except Exception as exc:  # transformers raises many types here

@@ -9,6 +9,7 @@ import click
 
 from engine import __version__
 from jobs.spec import JobSpec, SpecError, field_reference, load_spec
+from jobs.tune import DEFAULT_ROWS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR_RATE = 0, 1, 2, 3
 
@@ -61,8 +62,7 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
     data["fingerprint"] = spec.fingerprint()
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(data, overwrite=overwrite, address=address,
-                         progress=lambda msg: click.echo(scrub(msg, secrets), err=True))
+        result = run_job(data, overwrite=overwrite, address=address, progress=_progress(secrets))
     except JobError as exc:
         click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
         return EXIT_FAILED
@@ -79,6 +79,16 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
             click.echo(f"  - {scrub(cause, secrets)}", err=True)
         return EXIT_ERROR_RATE
     return EXIT_OK
+
+
+def _progress(secrets):
+    """A live bar when stderr is a terminal, plain lines otherwise (logs, cron, ray job submit)."""
+    from pipeline.progress import Progress, ProgressBar
+    from pipeline.storage import scrub
+
+    stream = click.get_text_stream("stderr")
+    write = lambda msg: click.echo(scrub(msg, secrets), err=True)  # noqa: E731
+    return ProgressBar(stream, write) if stream.isatty() else Progress(write)
 
 
 def summary_table(result) -> str:
@@ -174,6 +184,61 @@ def report_table(data: dict) -> str:
             lines.append(f"{name[:24].ljust(24)} {w['shards']:>7} {w['rows']:>9} {w['generated_tokens']:>10} "
                          f"{w['seconds']:>9.1f} {w['tokens_per_second']:>8.1f}")
     return "\n".join(lines)
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--model", help="Model directory, Hugging Face id or builtin:NAME (sets model).")
+@click.option("--input", "input_", help="Input file, directory or glob (sets input.path).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override any spec field (repeatable).")
+@click.option("--rows", type=click.IntRange(min=1), default=DEFAULT_ROWS, show_default=True,
+              help="Rows of the job's input to run at each setting.")
+@click.option("--memory-limit", default=None, metavar="SIZE",
+              help="Recommend only settings whose peak memory fits, e.g. 8GiB (GPU memory on CUDA).")
+@click.option("--max-batch-tokens", "mbt", default=None, metavar="N,N,...",
+              help="max_batch_tokens values [default: 1 and 2 x the spec's].")
+@click.option("--max-num-seqs", "mns", default=None, metavar="N,N,...",
+              help="max_num_seqs values [default: 1/4 and 1 x the spec's].")
+@click.option("--scheduling", default=",".join(("static", "continuous")), show_default=True, metavar="MODE,...")
+@click.option("--plot", is_flag=False, flag_value="tune.png", default=None, metavar="[PNG]",
+              help="Also draw throughput against peak memory (default file tune.png; needs matplotlib).")
+def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, scheduling, plot):
+    """Measure batching settings on a sample of the job's input and recommend one.
+
+    Runs the sample at each max_batch_tokens x max_num_seqs x scheduling point in this process
+    and prints throughput, time to first token, peak KV-cache and peak memory per setting."""
+    from jobs import tune as T
+    from jobs import tune_report as R
+
+    spec = _load(config, model, input_, "(unused by tune)", overrides)
+    try:
+        limit = T.parse_bytes(memory_limit) if memory_limit else None
+        settings = T.make_grid(spec, _ints(mbt) if mbt else None, _ints(mns) if mns else None,
+                               [m.strip() for m in scheduling.split(",") if m.strip()])
+        results = T.run_tune(spec, rows, settings, progress=lambda m: click.echo(m, err=True))
+    except (ValueError, RuntimeError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED)
+    best = T.recommend(results, limit)
+    click.echo(R.table(results, best))
+    click.echo(R.summary(results, best, limit))
+    if plot:
+        try:
+            R.plot(results, best, limit, plot)
+        except RuntimeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
+        click.echo(f"plot: {plot}")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
 
 
 @main.command(name="spec")

@@ -13,17 +13,17 @@ import logging
 import os
 import platform
 import re
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from engine import __version__
 from engine.config import EngineConfig
-from engine.loader import ModelLoadError, check_weights, load_tokenizer, one_line, resolve_model_dir
+from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
 from pipeline import chaos
 from pipeline.lock import LockHeld, RunLock
 from pipeline.metrics import MetricsAccumulator
+from pipeline.progress import Progress, as_progress
 from pipeline.prompts import PromptBuilder, TemplateError
 from pipeline.report import build_report, new_run, touch_run, write_run
 from pipeline.sink import SUMMARY_FIELDS, OutputDir
@@ -67,8 +67,9 @@ class JobResult:
 
 
 def run_job(spec: dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
-    """Runs (or resumes) the job described by a validated spec dict (JobSpec.model_dump())."""
-    progress = progress or _print_progress
+    """Runs (or resumes) the job described by a validated spec dict (JobSpec.model_dump()).
+    `progress`: a pipeline.progress.Progress, or a `message -> None` callable (plain lines)."""
+    progress = as_progress(progress)
     out = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]), spec["output"]["format"])
     files = preflight(spec)
     run = new_run(spec, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
@@ -181,14 +182,13 @@ def input_columns(spec: dict, builder: PromptBuilder) -> list[str]:
 
 
 def check_model(config: EngineConfig):
-    """Resolves the model directory, checks its weights and loads its tokenizer (no weights).
-    Returns the tokenizer."""
+    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
+    loads its tokenizer. Returns the tokenizer."""
     try:
-        model_dir = resolve_model_dir(config)
-        check_weights(model_dir, config.allow_pickle)
-        return load_tokenizer(config, model_dir)
+        return load_tokenizer(config, check_model_files(config))
     except (ModelLoadError, ValueError) as exc:
-        raise JobError(f"model {config.model}: {exc}") from None
+        message = str(exc)  # Hub errors name the id already
+        raise JobError(message if config.model in message else f"model {config.model}: {message}") from None
 
 
 def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool) -> dict:
@@ -224,8 +224,36 @@ def ensure_ray(address: str | None) -> None:
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet)  # a fresh local Ray, sized to this machine
 
 
-def _execute(spec: dict, shards: list, run: dict, progress) -> None:
+def _execute(spec: dict, shards: list, run: dict, progress: Progress) -> None:
     """Runs the shards through the actor pool; adds each committed shard's counts to `run`."""
+    import ray
+
+    quiet_ray_data()
+    workers = spec["workers"]
+    chaos_env = chaos.forwarded_env()
+    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
+    ds = ds.map_batches(
+        ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=workers["num"]),
+        num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
+        runtime_env={"env_vars": chaos_env} if chaos_env else None,
+    )
+    sizes = {s.key: s.stop - s.start for s in shards}
+    progress.start(len(shards), sum(sizes.values()))
+    try:
+        for row in ds.iter_rows():
+            for k in SUMMARY_FIELDS:
+                run[k] += int(row[k])
+            progress.shard_done(run, sizes.get(row["shard"], 0))
+    except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
+        raise JobError(_worker_cause(exc)) from exc
+    finally:
+        progress.close()
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's own progress bars and per-dataset logs off: the job reports its own progress
+    (pipeline.progress), and two bars never draw at once."""
     import ray
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -236,26 +264,6 @@ def _execute(spec: dict, shards: list, run: dict, progress) -> None:
     detectors = getattr(ctx, "issue_detectors_config", None)
     if detectors is not None:  # per-actor memory advice is noise for a model-sized actor
         detectors.high_memory_detector_config.detection_time_interval_s = -1
-    workers = spec["workers"]
-    chaos_env = chaos.forwarded_env()
-    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
-    ds = ds.map_batches(
-        ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=workers["num"]),
-        num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
-        runtime_env={"env_vars": chaos_env} if chaos_env else None,
-    )
-    t0, done = time.time(), 0
-    try:
-        for row in ds.iter_rows():
-            done += 1
-            for k in SUMMARY_FIELDS:
-                run[k] += int(row[k])
-            elapsed = max(time.time() - t0, 1e-9)
-            progress(f"[{done}/{len(shards)} shards] {run['rows']} rows, {run['errors']} errors, "
-                     f"{run['generated_tokens']} tokens, {run['generated_tokens'] / elapsed:.1f} tok/s")
-    except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
-        raise JobError(_worker_cause(exc)) from exc
 
 
 def _worker_cause(exc: BaseException) -> str:
@@ -295,6 +303,7 @@ def _check_unique_ids(spec: dict, shards: list, address: str | None) -> None:
     from ray.data.expressions import col
 
     ensure_ray(address)
+    quiet_ray_data()
     ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
     ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)
@@ -386,8 +395,3 @@ def _result(status, out: OutputDir, manifest: dict, run: dict) -> JobResult:
                      generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=run["rows"],
                      seconds=time.time() - run["started"], generate_seconds=run["generate_seconds"],
                      error_samples=manifest.get("error_samples", []), manifest=manifest)
-
-
-def _print_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-

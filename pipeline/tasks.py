@@ -61,12 +61,13 @@ def row_seed(base: int, row_id: str) -> int:
 class TaskRunner:
     """Turns rows into output records (the BASE_COLUMNS plus the task's own columns)."""
 
-    def __init__(self, spec: dict, engine: LLMEngine):
+    def __init__(self, spec: dict, engine: LLMEngine, prompts: PromptBuilder | None = None):
+        """`prompts` builds each row's prompt; default: from the spec's input section."""
         self.spec = spec
         self.engine = engine
         self.task = spec["task"]
         self.openai_input = spec["input"]["format"] == "openai_batch"
-        self.prompts = None if self.openai_input else PromptBuilder.from_spec(spec["input"])
+        self.prompts = None if self.openai_input else prompts or PromptBuilder.from_spec(spec["input"])
         sampling = dict(spec["sampling"])
         seed = sampling.pop("seed")
         self.base_seed = spec["seed"] if seed is None else seed
@@ -84,7 +85,7 @@ class TaskRunner:
     def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[dict]:
         """One record per row, in order; `errors[i]` set = the row failed before this stage."""
         records: list[dict | None] = [None] * len(rows)
-        todo, prompts, params, requests = self._prepare(rows, ids, errors)
+        todo, prompts, params, requests = self.prepare(rows, ids, errors)
         if self.scoring:
             self._score(rows, todo, prompts, errors, records)
         else:
@@ -105,9 +106,9 @@ class TaskRunner:
             self._add_scores(rows, records)
         return records
 
-    def _prepare(self, rows, ids, errors):
+    def prepare(self, rows, ids, errors):
         """Indices of the rows that run, and their prompts (text or token ids), sampling params
-        and OpenAI requests (None for other inputs)."""
+        and OpenAI requests (None for other inputs); sets `errors[i]` of a row that cannot run."""
         todo, prompts, params, requests = [], [], [], []
         for i, row in enumerate(rows):
             if errors[i] is not None:

@@ -26,13 +26,12 @@ def engine_config(spec: dict) -> EngineConfig:
     return EngineConfig(model=spec["model"], seed=spec["seed"], **spec["engine"])
 
 
-class ShardWorker:
-    """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
-    engine on its rows, and commits one output part per shard. Returns one summary per shard."""
+class EngineActor:
+    """A Ray Data actor holding one engine. A constructor that raises makes Ray restart the actor
+    again and again; a failed setup is instead reported by the first call (`check_setup`), which
+    fails the job or the dataset with this one line."""
 
     def __init__(self, spec: dict):
-        # A constructor that raises makes Ray restart the actor again and again; a failed setup
-        # is instead reported by the first call, which fails the job with this one line.
         self.setup_error = None
         try:
             self._setup(spec)
@@ -40,20 +39,36 @@ class ShardWorker:
             self.setup_error = f"worker setup failed on {socket.gethostname()}: {one_line(exc)}"
 
     def _setup(self, spec: dict) -> None:
+        raise NotImplementedError
+
+    def check_setup(self) -> None:
+        if self.setup_error:
+            raise FatalShardError(self.setup_error)
+
+
+def start_engine(spec: dict, prompts=None) -> tuple[LLMEngine, TaskRunner]:
+    """The engine for `spec` (its CPU threads shared among the node's actors) and its task runner."""
+    if not spec["workers"]["gpus"]:
+        _share_cpu_threads(spec["workers"]["num"])
+    engine = LLMEngine(engine_config(spec))
+    return engine, TaskRunner(spec, engine, prompts)
+
+
+class ShardWorker(EngineActor):
+    """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
+    engine on its rows, and commits one output part per shard. Returns one summary per shard."""
+
+    def _setup(self, spec: dict) -> None:
         chaos.point("init")
         self.spec = spec
         self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
         self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
                                 spec["output"]["format"])
-        if not spec["workers"]["gpus"]:
-            _share_cpu_threads(spec["workers"]["num"])
-        self.engine = LLMEngine(engine_config(spec))
-        self.tasks = TaskRunner(spec, self.engine)
+        self.engine, self.tasks = start_engine(spec)
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
-        if self.setup_error:
-            raise FatalShardError(self.setup_error)
+        self.check_setup()
         results = [self.process(shard) for shard in Shard.from_batch(batch)]
         return {k: [r[k] for r in results] for k in results[0]}
 
@@ -63,7 +78,7 @@ class ShardWorker:
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
         records = self.tasks.run(rows, ids, errors)
-        table = self._table(rows, ids, records)
+        table = output_table(self.spec, rows, ids, records)
         summary = summarize(table)
         if self.output.format == "openai_batch":
             table = self._openai_lines(rows, ids, records)
@@ -104,26 +119,6 @@ class ShardWorker:
             ids.append(value)
         return ids
 
-    def _table(self, rows, ids, records) -> pa.Table:
-        keep = self.spec["input"]["columns"]
-        if keep is not None:  # eval needs its reference and group columns in the committed parts
-            keep = set(keep) | {self.spec["eval"]["reference_column"], self.spec["eval"]["group_column"]}
-        produced = output_columns(self.spec)
-        out = []
-        for row, row_id, rec in zip(rows, ids, records):
-            record = {"id": row_id}
-            for name, value in row.items():
-                if (keep is None or name in keep) and name not in produced and name != "id":
-                    record[name] = value
-            record.update((k, rec.get(k)) for k in produced)
-            out.append(record)
-        if not out:
-            return pa.table({"id": pa.array([], pa.string()),
-                             **{name: pa.array([], column_type(name)) for name in produced}})
-        names = list(dict.fromkeys(name for record in out for name in record))
-        return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
-
-
     def _openai_lines(self, rows, ids, records) -> pa.Table:
         """OpenAI Batch output: one response (or error) line per row, as JSON text."""
         created, lines = self.spec.get("created") or int(time.time()), []
@@ -147,6 +142,27 @@ class ShardWorker:
                                          model=req.model or self.spec["model"], created=created, logprobs=logprobs)
             lines.append(json.dumps(line, ensure_ascii=False))
         return pa.table({"line": pa.array(lines, pa.string())})
+
+
+def output_table(spec: dict, rows: list[dict], ids: list[str], records: list[dict]) -> pa.Table:
+    """The output rows: id, the passed-through input columns, then the task's columns."""
+    keep = spec["input"]["columns"]
+    if keep is not None:  # eval needs its reference and group columns in the committed parts
+        keep = set(keep) | {spec["eval"]["reference_column"], spec["eval"]["group_column"]}
+    produced = output_columns(spec)
+    out = []
+    for row, row_id, rec in zip(rows, ids, records):
+        record = {"id": row_id}
+        for name, value in row.items():
+            if (keep is None or name in keep) and name not in produced and name != "id":
+                record[name] = value
+        record.update((k, rec.get(k)) for k in produced)
+        out.append(record)
+    if not out:
+        return pa.table({"id": pa.array([], pa.string()),
+                         **{name: pa.array([], column_type(name)) for name in produced}})
+    names = list(dict.fromkeys(name for record in out for name in record))
+    return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
 
 
 def _token_logprob(tokenizer, step: dict[int, float], n: int) -> oai.TokenLogprob:

@@ -10,15 +10,51 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Builtin models go to a per-session cache, so tests never touch the user's."""
+    """Builtin models go to a per-session cache, and the Hugging Face cache is a per-session
+    directory used offline, so tests never touch the user's caches or the network. Set before
+    Ray starts, so that its workers see the same."""
     path = tmp_path_factory.mktemp("batchinfer-cache")
-    old = os.environ.get("BATCHINFER_CACHE")
-    os.environ["BATCHINFER_CACHE"] = str(path)
+    env = {"BATCHINFER_CACHE": str(path), "HF_HUB_CACHE": str(path / "hf-hub"), "HF_HUB_OFFLINE": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     yield path
-    if old is None:
-        os.environ.pop("BATCHINFER_CACHE", None)
-    else:
-        os.environ["BATCHINFER_CACHE"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def hub_model():
+    """publish(repo_id, src_dir, revision="main") -> commit: puts a model directory into the
+    session's Hugging Face cache in the hub's own layout (blobs, snapshots/<commit> symlinks,
+    refs/<revision>), as a download by huggingface_hub would have left it."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from huggingface_hub.file_download import repo_folder_name
+
+    def publish(repo_id: str, src: Path, revision: str = "main") -> str:
+        repo = Path(os.environ["HF_HUB_CACHE"]) / repo_folder_name(repo_id=repo_id, repo_type="model")
+        files = sorted(p for p in Path(src).iterdir() if p.is_file())
+        commit = hashlib.sha1(repo_id.encode() + b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo / "blobs").mkdir(exist_ok=True)
+        for f in files:
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            if not blob.exists():
+                shutil.copyfile(f, blob)
+            link = snapshot / f.name
+            if not link.exists():
+                link.symlink_to(os.path.relpath(blob, snapshot))
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+        return commit
+
+    return publish
 
 
 @pytest.fixture(scope="session")

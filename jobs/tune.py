@@ -1,0 +1,266 @@
+"""`batchinfer tune`: runs a sample of a job's own input through the engine at a small grid of
+max_batch_tokens x max_num_seqs x scheduling, measures each, and recommends a setting that fits
+a memory limit.
+
+Each setting gets a fresh engine in this process (the model is loaded once per setting), set up
+as one of the job's actors: on CPU it gets the torch threads of one of `workers.num` engines
+sharing the cores, so the figures are one engine's. What is measured, per setting, over the
+sample (all requests queued at t=0, as in a job):
+  throughput  generated and total (prompt + generated) tokens per second of wall time;
+  TTFT        time from the start to each request's first token (mostly queueing, offline);
+  peak KV     most KV-cache slots reserved at once (rows x widest row, from the engine's batch
+              statistics) x bytes per slot (2 x layers x KV heads x head dim x dtype size);
+  peak mem    peak device memory allocated on CUDA; on CPU the peak resident set of this
+              process while the setting ran (sampled every 10 ms), model weights included.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from jobs.spec import JobSpec
+
+SCHEDULING = ("static", "continuous")
+DEFAULT_ROWS = 256
+"""Rows of the job's input run at each setting."""
+MIN_SECONDS, REPEATS = 3.0, 3
+"""A setting whose sample runs in under MIN_SECONDS is run up to REPEATS times (median kept)."""
+NEAR_BEST = 0.05
+"""Settings this close to the fastest count as fast as it; the smallest of them is recommended."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the grid: the engine knobs that shape batches."""
+
+    max_batch_tokens: int
+    max_num_seqs: int
+    scheduling: str
+
+    def flags(self) -> str:
+        return " ".join(f"--set engine.{k}={v}" for k, v in self.__dict__.items())
+
+
+@dataclass
+class Measurement:
+    """What one setting did with the sample."""
+
+    setting: Setting
+    seconds: float
+    """Wall time of the sample, engine loading excluded."""
+    rows: int
+    errors: int
+    """Rows the engine refused (e.g. prompt + max_tokens above max_batch_tokens) or failed."""
+    prompt_tokens: int
+    generated_tokens: int
+    ttft: list[float] = field(default_factory=list)
+    """Seconds from the start to each generated request's first token."""
+    peak_kv_tokens: int | None = None
+    """Most KV-cache slots reserved at once (None: the task generated nothing)."""
+    kv_bytes_per_token: int = 0
+    peak_memory_bytes: int = 0
+
+    @property
+    def peak_kv_bytes(self) -> int | None:
+        return self.peak_kv_tokens * self.kv_bytes_per_token if self.peak_kv_tokens else None
+
+    @property
+    def generated_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def total_per_s(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
+
+    @property
+    def rate(self) -> float:
+        """What settings are ranked by: generated tokens/s, or total tokens/s for choice scoring
+        (which generates none)."""
+        return self.generated_per_s or self.total_per_s
+
+
+def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_seqs: list[int] | None = None,
+              scheduling: list[str] | tuple[str, ...] = SCHEDULING) -> list[Setting]:
+    """Every combination of the given values; an axis left out takes the spec's value and one
+    other: max_batch_tokens x 1 and 2, max_num_seqs x 1/4 and 1 (8 settings with both modes)."""
+    mbt, mns = spec.engine.max_batch_tokens, spec.engine.max_num_seqs
+    bad = [m for m in scheduling if m not in SCHEDULING]
+    if bad or not scheduling:
+        raise ValueError(f"scheduling must be among {', '.join(SCHEDULING)}, got {', '.join(bad) or 'none'}")
+    mbt_values = max_batch_tokens or [mbt, mbt * 2]
+    mns_values = max_num_seqs or [max(1, mns // 4), mns]
+    return [Setting(*point) for point in itertools.product(sorted(set(mbt_values)), sorted(set(mns_values)),
+                                                            dict.fromkeys(scheduling))]
+
+
+def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
+    """The first `n` readable rows of the job's input, with their ids (lines that do not parse
+    are left out)."""
+    from pipeline.source import list_inputs, plan_shards, read_shard
+    from pipeline.storage import Storage
+
+    storage = Storage(spec.input.path, spec.input.storage_options)
+    rows, ids = [], []
+    for shard in plan_shards(storage, list_inputs(storage, spec.input.format), n):
+        for row, row_id, error in zip(*read_shard(storage, shard)):
+            if error is None:
+                rows.append(row)
+                own = row.get(spec.input.id_column) if spec.input.id_column else None
+                ids.append(row_id if own is None else str(own))
+        if len(rows) >= n:
+            break
+    return rows[:n], ids[:n]
+
+
+def measure(spec: dict, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
+    """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
+    runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
+    from engine import SamplingParams
+    from pipeline.worker import start_engine
+
+    spec = {**spec, "engine": {**spec["engine"], **setting.__dict__}}
+    llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
+    llm.generate(["warm-up"], SamplingParams(max_tokens=2))  # first-call allocations
+    runs = []
+    with _MemoryPeak() as memory:
+        while not runs or (len(runs) < REPEATS and sum(r.seconds for r in runs) < MIN_SECONDS):
+            runs.append(_run_once(setting, llm, tasks, rows, ids))
+    run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    run.kv_bytes_per_token, run.peak_memory_bytes = kv_bytes_per_token(llm.config), memory.peak
+    return run
+
+
+def _run_once(setting: Setting, llm, tasks, rows, ids) -> Measurement:
+    """One pass over the sample."""
+    llm.batch_stats.clear()
+    start = time.perf_counter()
+    counts, ttft = _score(tasks, rows, ids) if tasks.scoring else _generate(llm, tasks, rows, ids, start)
+    seconds = time.perf_counter() - start
+    slots = max((s.reserved_tokens for s in llm.batch_stats), default=None)
+    return Measurement(setting, seconds, rows=len(rows), **counts, ttft=ttft, peak_kv_tokens=slots)
+
+
+def _generate(llm, tasks, rows, ids, start: float) -> tuple[dict, list[float]]:
+    """The job's prompts and sampling, submitted one request each so that every request's first
+    token time can be read."""
+    errors = [None] * len(rows)
+    _, prompts, params, _ = tasks.prepare(rows, ids, errors)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while llm.has_unfinished():
+        llm.step()
+    done = [s.to_completion() for s in seqs]
+    counts = {"errors": len(rows) - len(done) + sum(c.finish_reason == "error" for c in done),
+              "prompt_tokens": sum(c.num_prompt_tokens for c in done),
+              "generated_tokens": sum(c.num_generated_tokens for c in done)}
+    return counts, [s.first_token_time - start for s in seqs if s.first_token_time is not None]
+
+
+def _score(tasks, rows, ids) -> tuple[dict, list[float]]:
+    """Labeling by choice scoring: the job's own task code; no tokens are generated."""
+    records = tasks.run(rows, ids, [None] * len(rows))
+    return {"errors": sum(r["finish_reason"] == "error" for r in records), "generated_tokens": 0,
+            "prompt_tokens": sum(r["num_prompt_tokens"] for r in records)}, []
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of keys and values one token holds across all layers, from the model's config."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine.loader import resolve_model_dir
+
+    text = AutoConfig.from_pretrained(resolve_model_dir(config)).get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = config.dtype
+    if dtype == "auto":
+        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+        dtype = "bfloat16" if cuda else "float32"
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+class _MemoryPeak:
+    """Peak memory while the block runs: CUDA's peak allocation, else this process's resident
+    set sampled every 10 ms (Linux /proc; elsewhere the process's lifetime peak)."""
+
+    def __enter__(self):
+        import torch
+
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.peak, self._stop = _rss(), threading.Event()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._stop.set()
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._thread.join()
+            self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    import os
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def recommend(results: list[Measurement], memory_limit: int | None) -> Measurement | None:
+    """Among the settings with the fewest errors whose peak memory fits under the limit, the
+    smallest (least KV memory, then the smallest budget) within NEAR_BEST of the fastest: a bigger
+    budget that buys less than that is not worth its memory."""
+    if not results:
+        return None
+    fewest = min(r.errors for r in results)
+    fits = [r for r in results if r.errors == fewest and (memory_limit is None or r.peak_memory_bytes <= memory_limit)]
+    if not fits:
+        return None
+    best = max(r.rate for r in fits)
+    near = [r for r in fits if r.rate >= (1 - NEAR_BEST) * best]
+    return min(near, key=lambda r: (r.peak_kv_bytes or 0, r.setting.max_batch_tokens, r.setting.max_num_seqs, -r.rate))
+
+
+def run_tune(spec: JobSpec, rows: int, settings: list[Setting], progress=print) -> list[Measurement]:
+    """Measures every setting on the first `rows` rows of the job's input."""
+    sample, ids = sample_rows(spec, rows)
+    if not sample:
+        raise ValueError(f"no readable rows in {spec.input.path}")
+    data = spec.model_dump(mode="json")
+    results = []
+    for i, setting in enumerate(settings, 1):
+        progress(f"[{i}/{len(settings)}] {setting.flags()} on {len(sample)} rows")
+        results.append(measure(data, setting, sample, ids))
+        gc.collect()  # the setting's engine, before the next one is measured
+    return results
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '8G' (10^9), '512MiB', '2e9' -> bytes."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    raw = text.strip().lower().removesuffix("b")
+    number = raw.rstrip("kmgti")
+    unit = raw[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 8GiB, 512MiB, 16G)")
+    return int(float(number) * units[unit])

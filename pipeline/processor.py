@@ -1,0 +1,105 @@
+"""A Ray Data processor: the job's generate/label/eval stage applied to any `ray.data.Dataset`.
+
+    processor = build_processor({"model": "builtin:tiny", "sampling": {"max_tokens": 32}},
+                                preprocess=lambda row: {"prompt": row["question"]},
+                                postprocess=lambda row: {"answer": row["generated_text"]})
+    ds = processor(ray.data.read_parquet("s3://bucket/questions/"))
+
+preprocess -> engine actors (the job's own EngineActor and TaskRunner) -> postprocess. The output
+rows carry the columns of a job's parts. Exactly-once resume is the job runner's (`batchinfer
+run`): a processor is a lazy Dataset transformation with no commit records.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+
+from pipeline.prompts import PromptBuilder
+from pipeline.spec import SpecError, validate
+from pipeline.worker import EngineActor, output_table, start_engine
+
+SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed")
+"""The job spec's keys a processor takes: all but input, output, report and max_error_rate."""
+
+
+def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None) -> "Processor":
+    """A callable mapping a Dataset to a Dataset of generated rows. `config` holds the job spec's
+    sections but input/output, validated by the job spec's rules (SpecError names a bad key).
+    `preprocess` maps a row to a row with a `prompt` (text) or `messages` (chat, rendered with the
+    model's chat template); `postprocess` maps each output row to the row returned. Nothing is
+    loaded or started until the returned Dataset executes."""
+    unknown = [key for key in config if key not in SECTIONS]
+    if unknown:
+        raise SpecError(f"{unknown[0]}: not a processor setting (a processor takes {', '.join(SECTIONS)}; "
+                        "the Dataset is its input and its result)")
+    spec = validate({**config, "input": {"path": "-"}, "output": {"path": "-"}}).model_dump(mode="json")
+    return Processor(spec, preprocess, postprocess)
+
+
+@dataclass(frozen=True)
+class Processor:
+    """preprocess -> generate (one engine per actor, `workers.num` actors) -> postprocess."""
+
+    spec: dict
+    """The validated spec (input and output placeholders included, as the workers expect)."""
+    preprocess: Callable[[dict], dict] | None = None
+    """Row -> row with `prompt` or `messages`."""
+    postprocess: Callable[[dict], dict] | None = None
+    """Output row -> the row returned."""
+
+    def __call__(self, ds):
+        import ray
+
+        workers = self.spec["workers"]
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        ds = ds.map_batches(RowWorker, fn_constructor_kwargs={"spec": self.spec}, batch_format="pyarrow",
+                            batch_size=workers["rows_per_batch"], compute=ray.data.ActorPoolStrategy(size=workers["num"]),
+                            num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None)
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+
+class RowWorker(EngineActor):
+    """Ray Data actor: a batch of preprocessed rows in, the same rows with the task's columns out."""
+
+    def _setup(self, spec: dict) -> None:
+        self.spec = spec
+        self.engine, self.tasks = start_engine(spec, RowPrompts())
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.check_setup()
+        rows = batch.to_pylist()
+        ids = [row_id(row) for row in rows]
+        records = self.tasks.run(rows, ids, [None] * len(rows))
+        return output_table(self.spec, rows, ids, records)
+
+
+class RowPrompts(PromptBuilder):
+    """A row's prompt: its `messages` when set (chat template), else its `prompt`."""
+
+    def __init__(self):
+        super().__init__(prompt_column="prompt")
+        self.messages = PromptBuilder(prompt_column=None, messages_column="messages")
+
+    def build(self, row: dict):
+        if row.get("messages") is not None:
+            return self.messages.build(row)
+        if "prompt" not in row:
+            return None, "row has no 'prompt' or 'messages' (preprocess must return one of them)"
+        return super().build(row)
+
+
+def row_id(row: dict) -> str:
+    """The row's `id`, else a hash of its prompt: it seeds the row's sampling, so a prompt samples
+    the same tokens on every run and in any batch."""
+    if row.get("id") is not None:
+        return str(row["id"])
+    content = row.get("messages") if row.get("messages") is not None else row.get("prompt")
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,294 @@
+"""The job spec's schema: validated once, unknown keys rejected, every field documented once.
+
+The engine and sampling sections are derived from `EngineConfig` and `SamplingParams`, so
+their defaults and descriptions live in exactly one place. It lives in pipeline/ so that
+`build_processor` validates its config with the same rules; jobs.spec reads YAML into it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+from engine import EngineConfig, SamplingParams
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the bad key(s)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _DataclassSection(_Section):
+    """A section mirroring an engine dataclass, whose own checks run after pydantic's."""
+
+    @model_validator(mode="after")
+    def _dataclass_checks(self):
+        self.dataclass_type(**self.model_dump())
+        return self
+
+
+def _from_dataclass(name: str, cls, skip: tuple[str, ...]) -> type[BaseModel]:
+    """A strict pydantic section mirroring a dataclass: same fields, defaults and docs."""
+    docs = cls.field_docs()
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    defs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        annotation = eval(hints[f.name], {"dict": dict, "list": list, "str": str, "int": int,  # noqa: S307
+                                          "float": float, "bool": bool, "None": None})
+        defs[f.name] = (annotation, Field(default=default, description=docs[f.name]))
+    model = create_model(name, __base__=_DataclassSection, **defs)
+    model.dataclass_type = cls
+    return model
+
+
+EngineSpec = _from_dataclass("EngineSpec", EngineConfig, skip=("model", "seed", "extra"))
+SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=())
+
+
+class FewShotSpec(_Section):
+    user: str = Field(description="An example input (a user turn).")
+    assistant: str = Field(description="The answer to it (an assistant turn).")
+
+
+class InputSpec(_Section):
+    path: str = Field(description="File, directory or glob; local, file://, s3://, gs:// (any fsspec filesystem).")
+    format: Literal["auto", "jsonl", "parquet", "openai_batch"] = Field(
+        "auto", description="auto = from the file extension (.jsonl/.json or .parquet); openai_batch = "
+        "OpenAI Batch API request lines (custom_id, method, url, body); custom_id is the row id.")
+    prompt_column: str | None = Field("prompt", description="Column holding the prompt text.")
+    template: str | None = Field(
+        None, description="Prompt built from columns, e.g. 'Q: {question}\\nA:' (sandboxed; overrides prompt_column).")
+    messages_column: str | None = Field(
+        None, description="Column holding chat messages [{role, content}], rendered with the model's chat "
+        "template (overrides prompt_column and template).")
+    system_prompt: str | None = Field(
+        None, description="A system message put before every row's messages; the row's prompt then becomes a "
+        "user message rendered with the chat template.")
+    few_shot: list[FewShotSpec] = Field(
+        default_factory=list, description="Example user/assistant turns put before every row (chat template).")
+    id_column: str | None = Field(
+        None, description="Column with unique row ids; else an id is derived from file + row position.")
+    columns: list[str] | None = Field(
+        None, description="Input columns copied to the output; None = all of them.")
+    on_bad_line: Literal["error", "skip", "fail"] = Field(
+        "error", description="A malformed JSONL line: error = an output row with the cause, "
+        "skip = left out (counted as skipped), fail = stop the job naming file and line.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for the input filesystem (e.g. endpoint_url).")
+
+
+class OutputSpec(_Section):
+    path: str = Field(description="Output directory; local, file://, s3://, gs://.")
+    format: Literal["parquet", "jsonl", "openai_batch"] = Field(
+        "parquet", description="Format of the output parts; openai_batch = OpenAI Batch API output lines, plus "
+        "output.jsonl and errors.jsonl when the job is complete.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for the output filesystem.")
+    lock_stale_after_s: float = Field(
+        120.0, gt=0, description="A run lock whose heartbeat is older than this is taken over by a new run.")
+
+
+class LabelSpec(_Section):
+    choices: list[str] | None = Field(
+        None, description="Labels to choose from by scoring each one's log-likelihood after the prompt.")
+    choices_column: str | None = Field(None, description="Column holding each row's own list of choices.")
+    choice_prefix: str | None = Field(
+        None, description="Text put before every choice when scoring; None = a space after a plain prompt that "
+        "does not end in whitespace, nothing after a chat prompt.")
+    length_normalize: bool = Field(
+        False, description="Pick the choice with the best mean log-likelihood per token instead of the best sum.")
+    label_regex: str | None = Field(
+        None, description="Without choices: generate, then take the label from this regex (first group, or the "
+        "whole match); no match = null label and a note in `error`.")
+
+
+class NormalizeSpec(_Section):
+    strip: bool = Field(True, description="Trim, and collapse runs of whitespace.")
+    lowercase: bool = Field(False, description="Compare case-insensitively.")
+    remove_punctuation: bool = Field(False, description="Drop punctuation characters.")
+
+
+class EvalSpec(_Section):
+    reference_column: str | None = Field(None, description="Column with the expected answer (or a list of them).")
+    metrics: list[str] = Field(
+        default_factory=lambda: ["exact_match"],
+        description="Any of exact_match, contains, regex_match (needs answer_regex), accuracy (label vs reference).")
+    group_column: str | None = Field(None, description="Column whose values break the metrics down by group.")
+    normalize: NormalizeSpec = Field(default_factory=NormalizeSpec,
+                                     description="How texts are normalised before comparing.")
+    answer_regex: str | None = Field(
+        None, description="regex_match: the answer is this regex's first group (or whole match) in the output.")
+
+
+class ReportSpec(_Section):
+    price_per_hour: float | None = Field(
+        None, ge=0, description="Price of one GPU-hour (CPU-core-hour on CPU): adds cost figures to the manifest.")
+
+
+class WorkersSpec(_Section):
+    num: int = Field(1, ge=1, description="Engine actors (one model copy each).")
+    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU).")
+    cpus: float = Field(0.5, gt=0, description="CPUs per actor; fractional on CPU so reads can still be scheduled.")
+    rows_per_batch: int = Field(
+        256, ge=1, description="Rows handed to an actor at once: the unit of work, commit and resume.")
+
+
+class JobSpec(_Section):
+    model: str = Field("builtin:tiny", description="Hugging Face model id (org/name, from the hub cache or "
+                       "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
+                       "gs://...) or builtin:tiny. An existing local path wins over an id of the same shape.")
+    task: Literal["generate", "label", "eval"] = Field(
+        "generate", description="generate = text per row; label = a label per row (by choice scoring or "
+        "label_regex); eval = generate (or label) and score against a reference, with metrics.json.")
+    input: InputSpec = Field(description="Where the prompts come from.")
+    output: OutputSpec = Field(description="Where the results go.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Generation engine settings.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Decoding settings for every row.")
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
+    report: ReportSpec = Field(default_factory=ReportSpec, description="Cost accounting.")
+    label: LabelSpec = Field(default_factory=LabelSpec, description="task: label (and eval on choices).")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="task: eval.")
+    max_error_rate: float = Field(
+        0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
+    seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _task_checks(self):
+        check_task(self)
+        return self
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the output rows (not of where they are written)."""
+        data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
+                                                     "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"},
+                                                     "report": True, "max_error_rate": True})
+        # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
+        defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
+        for path in ADDED_FIELDS:
+            *parents, leaf = path
+            node, default = data, defaults
+            for key in parents:
+                node, default = node[key], default[key]
+            if node.get(leaf) == default[leaf]:
+                del node[leaf]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
+                ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
+                ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"))
+"""Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
+
+
+def check_task(spec: JobSpec) -> None:
+    """Cross-field rules of tasks and formats (one message naming the keys involved)."""
+    import re
+
+    from pipeline.metrics import check_metrics
+    from pipeline.tasks import output_columns
+
+    label, ev, inp = spec.label, spec.eval, spec.input
+    labels = bool(label.choices or label.choices_column or label.label_regex)
+    if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
+        raise ValueError("label.choices: give at least one non-empty choice")
+    if label.choices and label.choices_column:
+        raise ValueError("label.choices and label.choices_column: set one of them")
+    if (label.choices or label.choices_column) and label.label_regex:
+        raise ValueError("label.label_regex applies to generated labels: drop it, or drop label.choices(_column)")
+    for name, pattern in (("label.label_regex", label.label_regex), ("eval.answer_regex", ev.answer_regex)):
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{name}: invalid regex: {exc}") from None
+    if spec.task == "label" and not labels:
+        raise ValueError("task label needs label.choices, label.choices_column or label.label_regex")
+    if spec.task == "eval":
+        if not ev.reference_column:
+            raise ValueError("task eval needs eval.reference_column")
+        try:
+            check_metrics(ev.metrics, ev.answer_regex)
+        except ValueError as exc:
+            raise ValueError(f"eval.metrics: {exc}") from None
+        if "accuracy" in ev.metrics and not labels:
+            raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
+                             "label.label_regex")
+    produced = set(output_columns(spec.model_dump(mode="json"))) | {"id"}
+    for name, column in (("eval.reference_column", ev.reference_column), ("eval.group_column", ev.group_column),
+                         ("label.choices_column", label.choices_column)):
+        if column in produced and (spec.task == "eval" or name.startswith("label")):
+            raise ValueError(f"{name}: {column!r} is also an output column of task {spec.task}; rename it in the "
+                             "input data")
+    if inp.format == "openai_batch":
+        if spec.task != "generate":
+            raise ValueError(f"input.format openai_batch holds completion requests: task {spec.task} needs jsonl or "
+                             "parquet input")
+        if inp.template or inp.messages_column or inp.system_prompt or inp.few_shot:
+            raise ValueError("input.format openai_batch: the requests carry their own prompts; drop input.template, "
+                             "messages_column, system_prompt and few_shot")
+        if inp.id_column not in (None, "custom_id"):
+            raise ValueError("input.format openai_batch: rows are identified by custom_id; drop input.id_column")
+        inp.id_column = "custom_id"  # a duplicate custom_id is then fatal, like any duplicate id
+    if spec.output.format == "openai_batch" and spec.task != "generate":
+        raise ValueError(f"output.format openai_batch holds completions only: task {spec.task} needs parquet or jsonl")
+
+
+def validate(data: dict) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError("invalid job spec: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _describe(err: dict) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    if err["type"] == "missing":
+        return f"{where}: required"
+    msg = err["msg"].removeprefix("Value error, ")
+    if not err["loc"]:
+        return msg  # a cross-field rule: its message names the keys
+    field, _, rest = msg.partition(" ")
+    if err["type"] == "value_error" and field.isidentifier() and rest:
+        return f"{where}.{field}: {msg}"  # an engine dataclass check names its field first
+    return f"{where}: {msg}"
+
+
+def field_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) for every field, for `batchinfer spec` and docs."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            key = prefix + name
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, key + ".")
+                continue
+            default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+            rows.append((key, _type_name(ann), default, info.description or ""))
+
+    walk(JobSpec, "")
+    return rows
+
+
+def _type_name(ann) -> str:
+    text = getattr(ann, "__name__", None) if not getattr(ann, "__args__", None) else None
+    return text or str(ann).replace("typing.", "")

@@ -19,7 +19,8 @@ Each measurement runs in a fresh subprocess (so peak memory is its own). Columns
 tokens/s, total (prompt + generated) tokens/s, ratio to the engine one-at-a-time, mean and p99
 time to first token (TTFT) and time per output token after the first (TPOT), wasted-token
 fraction (prompt padding computed / prompt + generated tokens computed), peak memory (RSS, or
-CUDA max allocated), and, for the engine, the peak KV cache.
+CUDA max allocated), and, for the engine, the peak KV cache in use and the prefix-cache hit
+rate (prompt tokens served from cached blocks).
 
     .venv/bin/python scripts/bench_batching.py [--quick] [--out results/bench_batching]
         [--model builtin:llama-42m] [--device cpu] [--dtype float32] [--threads 2]
@@ -107,8 +108,9 @@ def measure(mode: str, key: str, args) -> dict:
         peak_kv = 0
         while llm.has_unfinished():
             llm.step()
-            if llm._batch is not None and llm._batch.cache is not None:
-                peak_kv = max(peak_kv, llm._batch.cache.nbytes())
+            cache = llm.cache  # the pool is allocated once; the layout in use is the KV a batch holds
+            if cache.capacity:
+                peak_kv = max(peak_kv, cache.nbytes() * cache.tokens // cache.capacity)
         _sync(args.device)
         seconds = time.perf_counter() - start
         assert all(s.num_output_tokens == m for s, m in zip(seqs, outputs)), "a request stopped early"
@@ -121,6 +123,7 @@ def measure(mode: str, key: str, args) -> dict:
         result.update(seconds=seconds, ttft=ttft, tpot=tpot, wasted=(padded - result["prompt_tokens"]) / computed,
                       peak_kv_bytes=peak_kv, batches=len(stats), peak_rows=max(s.peak_rows for s in stats),
                       forward_passes=sum(s.prefill_steps + s.decode_steps for s in stats),
+                      prefix_hit_rate=sum(s.cached_prompt_tokens for s in stats) / result["prompt_tokens"],
                       tokens=[s.output_token_ids for s in seqs])
     elif mode.startswith("hf"):
         from transformers import AutoModelForCausalLM
@@ -234,8 +237,8 @@ def _pct(values, q):
 def table(results: list[dict], header: str) -> str:
     lines = [header, "",
              "| workload | mode | s | gen tok/s | total tok/s | vs 1-at-a-time | TTFT mean / p99 (s) | "
-             "TPOT mean / p99 (ms) | wasted | peak mem (MiB) | peak KV (MiB) | same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TPOT mean / p99 (ms) | wasted | peak mem (MiB) | peak KV (MiB) | prefix hit | same tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by = {(r["workload"], r["mode"]): r for r in results}
     for key in dict.fromkeys(r["workload"] for r in results):
         base = by.get((key, BASELINE))
@@ -244,7 +247,7 @@ def table(results: list[dict], header: str) -> str:
             if r is None:
                 continue
             if "skipped" in r:
-                lines.append(f"| {key} | {name} | {r['skipped']} |||||||||")
+                lines.append(f"| {key} | {name} | {r['skipped']} ||||||||||")
                 continue
             gen = r["generated_tokens"] / r["seconds"]
             total = (r["generated_tokens"] + r["prompt_tokens"]) / r["seconds"]
@@ -254,9 +257,10 @@ def table(results: list[dict], header: str) -> str:
                     if r.get("tpot") else "-")
             wasted = f"{r['wasted']:.1%}" if "wasted" in r else "-"
             kv = f"{r['peak_kv_bytes'] / 2**20:.0f}" if "peak_kv_bytes" in r else "-"
+            hit = f"{r['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in r else "-"
             same = r.get("same_tokens") or "-"
             lines.append(f"| {key} | {name} | {r['seconds']:.1f} | {gen:.1f} | {total:.1f} | {ratio} | {ttft} | "
-                         f"{tpot} | {wasted} | {r['peak_memory_bytes'] / 2**20:.0f} | {kv} | {same} |")
+                         f"{tpot} | {wasted} | {r['peak_memory_bytes'] / 2**20:.0f} | {kv} | {hit} | {same} |")
     return "\n".join(lines)
 
 

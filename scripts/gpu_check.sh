@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check, one command, for a CUDA machine with no network (under 8 minutes on an H200):
 #   1. the GPU tests: fp32 parity with transformers with CUDA graphs on, graphs == eager, bf16 agreement;
-#   2. the throughput table (scripts/bench_gpu.py: 1.2B Llama, random weights) and a decode profile.
+#   2. the throughput table (scripts/bench_gpu.py: 1.2B Llama, random weights) and a decode profile;
+#   3. prefix caching on vs off (scripts/bench_prefix.py on the GPU).
 # Results go to $OUT (default results/gpu_check). Wheels in .whl/ (e.g. transformers>=5.24 where the
 # machine has an older one) are installed to /tmp/site first. Runs with the machine's python3:
 # the engine needs no Ray.
@@ -19,4 +20,5 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "| tra
 rc=0
 timeout 180 python3 -m pytest tests/engine/test_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 timeout 300 python3 scripts/bench_gpu.py --json "$OUT/bench_gpu.json" "$@" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+timeout 120 python3 scripts/bench_prefix.py --device cuda 2>&1 | tee "$OUT/bench_prefix.log" || rc=1
 exit $rc

@@ -92,6 +92,6 @@ def ray_local(s3_server):
     that workers inherit its endpoint and credentials."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()

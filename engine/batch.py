@@ -254,6 +254,8 @@ class Batch:
     def _record_logprobs(self, a: int, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Rows that asked for logprobs: the chosen token's and the top-N (an opt-in extra transfer)."""
         rows = [i for i in range(a, b) if self.seqs[i].params.logprobs is not None]
+        if not rows:  # rows elsewhere in the batch want them, none of these
+            return
         top_n = max(self.seqs[i].params.logprobs for i in rows)
         local = torch.tensor([i - a for i in rows], device=logprobs.device)
         chosen = logprobs[local].gather(1, tokens[local][:, None])[:, 0].tolist()

@@ -109,17 +109,16 @@ class KVCache(Cache):
             raise ValueError(f"{rows} rows x {width} columns exceed the KV pool's {self.capacity} slots")
         if (rows, width) == (self.rows, self.width):
             return False
-        kept = [(layer, layer.keys[:keep_rows, :, :keep_width].clone(),
-                 layer.values[:keep_rows, :, :keep_width].clone())
-                for layer in self.layers if layer.is_initialized and keep_rows and keep_width]
         self.rows, self.width = rows, width
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.view()
-        for layer, keys, values in kept:
-            layer.keys[:keep_rows, :, :keep_width] = keys
-            layer.values[:keep_rows, :, :keep_width] = values
-        self.row_index = torch.arange(rows, device=device)
+        for layer in self.layers:  # one layer at a time: the copy kept aside is one layer's
+            if not layer.is_initialized:
+                continue
+            kept = (layer.keys[:keep_rows, :, :keep_width].clone(), layer.values[:keep_rows, :, :keep_width].clone())
+            layer.view()
+            layer.keys[:keep_rows, :, :keep_width], layer.values[:keep_rows, :, :keep_width] = kept
+        if self.row_index is None:
+            # every row index a layout can have, allocated once: captured CUDA graphs hold its address
+            self.row_index = torch.arange(self.capacity, device=device)
         return True
 
     def prefill(self, start: int, offset: int = 0) -> None:
@@ -142,13 +141,15 @@ class KVCache(Cache):
     def expand_rows(self, index: torch.Tensor) -> None:
         """Row r becomes a copy of row index[r] (one prompt shared by several continuations);
         the layout grows to len(index) rows of the same width."""
-        width = self.width
-        copies = [(layer, layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                  for layer in self.layers if layer.is_initialized]
-        self.set_layout(len(index), width, device=index.device)
-        for layer, keys, values in copies:
-            layer.keys.copy_(keys)
-            layer.values.copy_(values)
+        if len(index) * self.width > self.capacity:
+            raise ValueError(f"{len(index)} rows x {self.width} columns exceed the KV pool's {self.capacity} slots")
+        self.rows = len(index)
+        for layer in self.layers:  # one layer at a time
+            if layer.is_initialized:
+                copies = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+                layer.view()
+                layer.keys.copy_(copies[0])
+                layer.values.copy_(copies[1])
 
     @property
     def tokens(self) -> int:

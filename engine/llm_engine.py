@@ -161,7 +161,8 @@ class LLMEngine:
         matched = [self.prefix_cache.match(s.prompt_token_ids) for s in group]
         first_new: dict[int, int] = {}
         for i, (s, m) in enumerate(zip(group, matched)):
-            hashes = block_hashes(s.prompt_token_ids, m + BLOCK_SIZE)
+            # the block holding the last prompt token is never cached (its logits are needed)
+            hashes = block_hashes(s.prompt_token_ids, min(m + BLOCK_SIZE, s.num_prompt_tokens - 1))
             if len(hashes) > m // BLOCK_SIZE:
                 j = first_new.setdefault(hashes[m // BLOCK_SIZE], i)
                 if j != i:  # rows j and i share an uncached block: compute it once, with row j

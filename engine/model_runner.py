@@ -65,6 +65,8 @@ class ModelRunner:
             getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
         self.sliding_window: int | None = getattr(text_config, "sliding_window", None)
         layer_types = set(getattr(text_config, "layer_types", None) or ())
+        if layer_types and "sliding_attention" not in layer_types:
+            self.sliding_window = None  # a window in the config that no layer uses
         self._mixed_layers = {"full_attention", "sliding_attention"} <= layer_types and bool(self.sliding_window)
         pack_lm_head(self.model, self.device, self.dtype)
         params = inspect.signature(self.model.forward).parameters

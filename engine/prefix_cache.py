@@ -97,9 +97,12 @@ class PrefixCache:
             for h in hashes:
                 if h in self.blocks:
                     self.blocks.move_to_end(h)
-            for i in new[-self.num_blocks:]:  # a prompt longer than the store keeps its last blocks
+            # a prompt longer than the store keeps its first blocks (a match needs the chain from
+            # block 0) and never evicts its own chain
+            new = new[: self.num_blocks - (len(hashes) - len(new))]
+            for i in new:
                 self.blocks[hashes[i]] = self._take()
-            for first, last in _runs(new[-self.num_blocks:]):
+            for first, last in _runs(new):
                 self._copy_in(row, first, last, [self.blocks[hashes[i]] for i in range(first, last)])
 
     def _copy_in(self, row: int, first: int, last: int, slots: list[int]) -> None:

@@ -49,11 +49,11 @@ class Tokenizer:
         return self.hf.batch_decode(token_ids, skip_special_tokens=True)
 
     def decode_windows(self, token_ids: list[list[int]]) -> list[str]:
-        """Several short texts in one call to the Rust tokenizer where there is one (without the
-        Python tokenizer's clean-up: for stop-string search, not for output text)."""
+        """Several short texts in one call to the Rust tokenizer where that gives the same text
+        as `decode` (no clean-up of tokenization spaces configured)."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None:
-            return self.decode_batch(token_ids)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return self.decode_batch(token_ids)  # the same text `decode` gives, so matches agree
         return backend.decode_batch(token_ids, skip_special_tokens=True)
 
 

@@ -102,3 +102,13 @@ def test_choice_scores_equal_caching_off(tiny_model_dir):
     for a, b in zip(got, want):
         assert a.error is None and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert on.prefix_cache.hit_rate > 0.5
+
+
+def test_identical_prompts_whose_length_is_a_multiple_of_the_block_share_one_prefill(tiny_model_dir):
+    """The block holding the last prompt token is never cached, so it must not make identical
+    prompts wait for each other: one row computes the shared blocks, the rest then join together."""
+    llm = engine(tiny_model_dir("llama"), True, max_prefill_tokens=4096)
+    prompt = [1] + [40 + i % 50 for i in range(2 * BLOCK_SIZE - 1)]  # exactly 2 blocks
+    outs = llm.generate([prompt] * 8, SamplingParams(max_tokens=3, temperature=0))
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert llm.batch_stats[0].prefill_steps <= 2

@@ -109,3 +109,15 @@ def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_facto
     hits = [checker.found(tok.decode_windows([ids[max(0, k + 1 - checker.window): k + 1]])[0])
             for k in range(len(ids))]
     assert hits.index(True) == 5  # a, b, 3 bytes of the euro sign, then x
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_logprob_rows_and_plain_rows_in_one_batch(llm_factory, mode):
+    """A prefill group without logprob rows joins a batch that has one (separate prefills)."""
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=1024, max_num_seqs=4,
+                                 max_prefill_tokens=8, scheduling=mode))
+    outs = llm.generate(["abcdef", "ghijkl", "mnopqr"],
+                        [SamplingParams(max_tokens=4, temperature=0, logprobs=2),
+                         SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=5, temperature=0)])
+    assert len(outs[0].logprobs) == len(outs[0].token_ids) and outs[1].logprobs is None
+    assert llm.batch_stats[0].prefill_steps == 3

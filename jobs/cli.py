@@ -115,7 +115,7 @@ def validate(config, model, input_, output, overrides):
         storage = Storage(spec.input.path, spec.input.storage_options)
         files = list_inputs(storage, spec.input.format)
         rows = shards = 0
-        for shard in plan_shards(storage, files, spec.workers.rows_per_batch):
+        for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
             rows += shard.stop - shard.start
             shards += 1
         check_model(engine_config(data))

@@ -20,8 +20,12 @@ from pipeline.sink import PLAN_DIR, OutputDir
 from pipeline.source import Shard, plan_file
 from pipeline.storage import Storage, with_retries
 
+FILES_PER_PLAN_TASK = 8
+"""Files one planning task takes (more once MAX_PLAN_BLOCKS is reached): fewer, longer tasks
+cost less Ray overhead; the first shards wait for the first task only."""
+
 MAX_PLAN_BLOCKS = 1000
-"""Planning tasks per job at most; more files than this share a task."""
+"""Planning tasks per job at most."""
 
 PLAN_TASK_MEMORY = 128 << 20
 """Memory reserved per planning task (it reads 8 MiB blocks and holds one block's shards)."""
@@ -36,7 +40,7 @@ SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format
 
 
 def plan_blocks(num_files: int) -> int:
-    return max(1, min(num_files, MAX_PLAN_BLOCKS))
+    return max(1, min(-(-num_files // FILES_PER_PLAN_TASK), MAX_PLAN_BLOCKS))
 
 
 def shard_limits(spec: dict, layout: int) -> tuple[int | None, int | None]:

@@ -123,8 +123,11 @@ class S3:
     """moto on loopback behind a proxy that counts requests by HTTP method."""
 
     def __enter__(self):
+        import logging
+
         from jobs.chaos import FlakyProxy, s3_server
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
         self._server = s3_server()
         endpoint = self._server.__enter__()
         self.proxy = FlakyProxy(endpoint, every=10 ** 12)  # never fails: only counts

@@ -56,7 +56,8 @@ def planned_dataset(spec: dict, files: list[tuple[str, str, str]], resume: bool,
     import ray
 
     items = [{"path": p, "name": n, "format": f} for p, n, f in files]
-    ds = ray.data.from_items(items, override_num_blocks=plan_blocks(len(files)))
+    blocks = plan_blocks(len(files))
+    ds = ray.data.from_items(items, override_num_blocks=blocks)
     # Planning tasks reserve no CPU: they are I/O-bound, and the engine actors may hold every
     # CPU of the cluster (planning would then never be scheduled and the job would hang); at most
     # one runs per CPU of the cluster, so they cannot start hundreds of worker processes. Their
@@ -64,7 +65,7 @@ def planned_dataset(spec: dict, files: list[tuple[str, str, str]], resume: bool,
     # actors: it runs in its own tasks, ahead of the actors, not inside them between shards.
     return ds.map_batches(plan_block, fn_kwargs={"spec": spec, "resume": resume, "layout": layout},
                           batch_size=None, batch_format="pyarrow", num_cpus=0, memory=PLAN_TASK_MEMORY,
-                          concurrency=max(1, int(ray.cluster_resources().get("CPU", 1))))
+                          concurrency=max(1, min(blocks, int(ray.cluster_resources().get("CPU", 1)))))
 
 
 def plan_block(batch: pa.Table, spec: dict, resume: bool, layout: int) -> pa.Table:

@@ -14,7 +14,8 @@ polled); seconds from the command's start to the first committed part; steady-st
 (first committed part to last); rows/s of each stage (planning tasks, reads, engine, commits:
 rows over that stage's summed task time); per-shard fixed cost; manifest and index sizes; with
 --s3, object-store requests per 1,000 rows by HTTP method, counted at a proxy in front of moto.
---bare also times the engine alone (LLMEngine.generate in-process) on the same prompts.
+--bare also times the engine alone (LLMEngine.generate in-process) on the same prompts: with one
+greedy SamplingParams, and with what a job sends (temperature 1.0, a seed per row).
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ def measure(out_url: str, options: dict, job: dict) -> dict:
 def bare_engine(folder: Path, model: str, limit: int) -> dict:
     """Rows/s of the engine alone on the case's prompts (model load excluded)."""
     from engine import EngineConfig, SamplingParams
+    from pipeline.tasks import row_seed
     from pipeline.worker import build_engine
 
     prompts = []
@@ -116,7 +118,14 @@ def bare_engine(folder: Path, model: str, limit: int) -> dict:
     started = time.perf_counter()
     for i in range(0, len(prompts), 4096):
         engine.generate(prompts[i:i + 4096], SamplingParams(max_tokens=1, temperature=0.0))
-    return {"bare_rows": len(prompts), "bare_rows_per_s": len(prompts) / (time.perf_counter() - started)}
+    shared = len(prompts) / (time.perf_counter() - started)
+    # what a job sends: the spec's default temperature (1.0) and a seed per row, from its id
+    started = time.perf_counter()
+    for i in range(0, len(prompts), 4096):
+        params = [SamplingParams(max_tokens=1, seed=row_seed(0, f"{i + j}")) for j in range(len(prompts[i:i + 4096]))]
+        engine.generate(prompts[i:i + 4096], params)
+    return {"bare_rows": len(prompts), "bare_rows_per_s": shared,
+            "bare_rows_per_s_job_params": len(prompts) / (time.perf_counter() - started)}
 
 
 class S3:

@@ -95,6 +95,7 @@ def summary_table(result) -> str:
     run = result.manifest.get("this_run", {})
     rows = [("output", result.output), ("rows", f"{result.rows} ({result.rows_this_run} this run)"),
             ("errors", str(result.errors)), ("prompt tokens", str(result.prompt_tokens)),
+            ("prefix cache hits", f"{result.manifest.get('prefix_cache_hit_rate', 0.0):.1%} of prompt tokens"),
             ("generated tokens", str(result.generated_tokens)),
             ("wall time", f"{result.seconds:.1f}s ({result.generate_seconds:.1f}s generating)"),
             ("tokens/s", f"{run.get('generated_tokens_per_second', 0.0):.1f} (this run)")]
@@ -125,7 +126,7 @@ def validate(config, model, input_, output, overrides):
         storage = Storage(spec.input.path, spec.input.storage_options)
         files = list_inputs(storage, spec.input.format)
         rows = shards = 0
-        for shard in plan_shards(storage, files, spec.workers.rows_per_batch):
+        for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
             rows += shard.stop - shard.start
             shards += 1
         check_model(engine_config(data))
@@ -166,6 +167,8 @@ def report_table(data: dict) -> str:
              + (f" of {data['shards_planned']}" if data.get("shards_planned") else "")),
             ("rows", str(data["rows"])), ("errors", str(data["errors"])),
             ("prompt tokens", str(data["prompt_tokens"])), ("generated tokens", str(data["generated_tokens"])),
+            ("prefix cache hits", f"{data.get('cached_prompt_tokens', 0) / max(data['prompt_tokens'], 1):.1%} "
+                                  "of prompt tokens"),
             ("runs", str(usage.get("runs", 0))),
             ("generating time", f"{usage.get('generate_seconds', 0.0):.1f}s"),
             ("tokens/s", f"{usage.get('tokens_per_second', 0.0):.1f}")]

@@ -21,14 +21,16 @@ class Progress:
     def __call__(self, message: str) -> None:
         self.write(message)
 
-    def start(self, shards: int, rows: int) -> None:
-        """Generation begins: `shards` shards holding about `rows` rows (JSONL: lines) to run."""
+    def start(self, shards: int | None, rows: int | None) -> None:
+        """Generation begins: `shards` shards holding about `rows` rows (JSONL: lines) to run;
+        None where the plan is still streaming in (no total, no ETA)."""
         self.shards, self.done, self.started = shards, 0, time.time()
 
     def shard_done(self, run: dict, planned_rows: int) -> None:
         """A shard of `planned_rows` rows was committed; `run` holds this run's counts so far."""
         self.done += 1
-        self.write(f"[{self.done}/{self.shards} shards] {run['rows']} rows, {run['errors']} errors, "
+        of = f"/{self.shards}" if self.shards else ""
+        self.write(f"[{self.done}{of} shards] {run['rows']} rows, {run['errors']} errors, "
                    f"{run['generated_tokens']} tokens, {self.tokens_per_s(run):.1f} tok/s")
 
     def tokens_per_s(self, run: dict) -> float:
@@ -62,8 +64,9 @@ class ProgressBar(Progress):
 
     def shard_done(self, run: dict, planned_rows: int) -> None:
         self.done += 1
+        of = f"/{self.shards}" if self.shards else ""
         self.bar.set_postfix_str(f"{self.tokens_per_s(run):.1f} tok/s, {run['errors']} errors, "
-                                 f"{self.done}/{self.shards} shards", refresh=False)
+                                 f"{self.done}{of} shards", refresh=False)
         self.bar.update(planned_rows)
 
     def close(self) -> None:

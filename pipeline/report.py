@@ -8,7 +8,7 @@ import json
 import posixpath
 import time
 
-from pipeline.sink import SUMMARY_FIELDS, OutputDir
+from pipeline.sink import PLAN_DIR, SUMMARY_FIELDS, OutputDir
 
 
 def new_run(spec: dict, run_id: str) -> dict:
@@ -46,26 +46,63 @@ def read_runs(out: OutputDir) -> list[dict]:
     return sorted(runs, key=lambda r: r["started"])
 
 
-def build_report(out: OutputDir, keys, price_per_hour: float | None) -> dict:
-    """Counts, parts, per-worker figures and cost over the committed shards `keys`."""
-    parts, totals, samples, workers = [], {k: 0 for k in SUMMARY_FIELDS}, [], {}
-    for key in keys:
-        s = out.summary(key)
+TIMINGS = ("seconds", "read_seconds", "engine_seconds", "commit_seconds", "idle_seconds")
+"""Per-shard times in a commit record: total, reading, the engine, committing, and the actor's
+wait since its previous shard (Ray Data hand-over)."""
+
+
+class PartTotals:
+    """Sums over commit records / index entries, one at a time: counts, first error causes,
+    per-worker figures, the per-shard fixed cost, and OOM retries. Memory grows with workers."""
+
+    def __init__(self):
+        self.totals = {k: 0 for k in SUMMARY_FIELDS}
+        self.samples: list[str] = []
+        self.workers: dict[str, dict] = {}
+        self.shards = 0
+        self.times = dict.fromkeys(TIMINGS, 0.0)
+        self.oom = {"retries": 0, "shards": 0, "budgets": []}
+
+    def add(self, s: dict) -> None:
+        self.shards += 1
         for k in SUMMARY_FIELDS:
-            totals[k] += s.get(k, 0)
-        samples += s.get("error_samples", [])
-        parts.append({"path": out.storage.uri(out.part_path(key)), "shard": key, "rows": s["rows"],
-                      "file": s.get("file"), "start": s.get("start"), "stop": s.get("stop")})
-        w = workers.setdefault(s.get("worker", "unknown"), {"shards": 0, "rows": 0, "generated_tokens": 0,
-                                                             "seconds": 0.0})
+            self.totals[k] += s.get(k, 0)
+        if len(self.samples) < 5:
+            self.samples += list(s.get("error_samples") or [])[: 5 - len(self.samples)]
+        for k in TIMINGS:
+            self.times[k] += s.get(k) or 0.0
+        if s.get("oom_retries"):
+            self.oom["retries"] += s["oom_retries"]
+            self.oom["shards"] += 1
+            self.oom["budgets"] = sorted(set(self.oom["budgets"]) | set(s.get("oom_budgets") or []))
+        w = self.workers.setdefault(s.get("worker") or "unknown",
+                                    {"shards": 0, "rows": 0, "generated_tokens": 0, "seconds": 0.0})
         w["shards"] += 1
         w["rows"] += s["rows"]
         w["generated_tokens"] += s["generated_tokens"]
         w["seconds"] += s.get("seconds", 0.0)
-    for w in workers.values():
-        w["tokens_per_second"] = w["generated_tokens"] / w["seconds"] if w["seconds"] else 0.0
-    return {**totals, "error_samples": samples[:5], "parts": parts, "workers": workers,
-            "usage": usage(read_runs(out), totals["generated_tokens"], price_per_hour)}
+
+    def shard_costs(self) -> dict:
+        """Mean per-shard times; fixed_seconds = everything but the engine (read, prepare, commit)."""
+        n = max(self.shards, 1)
+        means = {f"mean_{k}": self.times[k] / n for k in TIMINGS}
+        return {"count": self.shards, "mean_rows": self.totals["rows"] / n, **means,
+                "fixed_seconds_per_shard": (self.times["seconds"] - self.times["engine_seconds"]) / n}
+
+    def result(self) -> dict:
+        for w in self.workers.values():
+            w["tokens_per_second"] = w["generated_tokens"] / w["seconds"] if w["seconds"] else 0.0
+        return {**self.totals, "error_samples": self.samples, "workers": self.workers,
+                "shards": self.shard_costs(), "oom": self.oom}
+
+
+def build_report(out: OutputDir, records, price_per_hour: float | None) -> dict:
+    """Counts, per-worker figures, shard costs and cost over the commit records `records`."""
+    totals = PartTotals()
+    for record in records:
+        totals.add(record)
+    data = totals.result()
+    return {**data, "usage": usage(read_runs(out), data["generated_tokens"], price_per_hour)}
 
 
 def usage(runs: list[dict], generated_tokens: int, price_per_hour: float | None) -> dict:
@@ -88,24 +125,46 @@ def usage(runs: list[dict], generated_tokens: int, price_per_hour: float | None)
 
 
 def output_report(url: str, storage_options: dict | None = None) -> dict:
-    """What an output directory says about its job, complete or not."""
+    """What an output directory says about its job, complete or not. A complete one is read
+    through its part index; a partial one from the commit records of its committed shards."""
+    from pipeline.index import entries
     from pipeline.storage import Storage
 
     storage = Storage(url, storage_options or {})
-    job = None
-    for fmt in ("parquet", "jsonl"):
-        out = OutputDir(storage, fmt)
-        job = out.read_json("_job.json")
-        if job is not None:
-            break
+    job = OutputDir(storage, "parquet").read_json("_job.json")
     if job is None:
         raise FileNotFoundError(f"{url} holds no batchinfer job (no _job.json)")
     out = OutputDir(storage, job["spec"]["output"]["format"])
     manifest = out.read_json("manifest.json")
+    price = job["spec"].get("report", {}).get("price_per_hour")
+    if out.is_complete() and manifest and "index" in manifest:
+        data = build_report(out, entries(out, manifest), price)
+        return {"output": url, "status": "complete", "shards_committed": data["shards"]["count"],
+                "shards_planned": data["shards"]["count"], **data}
     keys = sorted(out.done_keys())
-    data = build_report(out, keys, job["spec"].get("report", {}).get("price_per_hour"))
-    status = manifest["status"] if manifest else "incomplete"
-    if out.is_complete():
-        status = "complete"
+    data = build_report(out, (out.summary(k) for k in keys), price)
+    status = "complete" if out.is_complete() else (manifest["status"] if manifest else "incomplete")
     return {"output": url, "status": status, "shards_committed": len(keys),
-            "shards_planned": job.get("shards_planned"), **data}
+            "shards_planned": planned_shards(out, job), **data}
+
+
+def planned_shards(out: OutputDir, job: dict) -> int | None:
+    """Shards of the whole input, once every planning task has recorded its count (else None)."""
+    if job.get("plan_blocks") is None:
+        return job.get("shards_planned")  # layout 1 planned in the driver
+    plan = plan_summary(out, job)
+    return plan["shards"] if plan else None
+
+
+def plan_summary(out: OutputDir, job: dict) -> dict | None:
+    """Sums of the planning records (tasks, files, shards, rows, seconds of task time), or None
+    while some planning task of the current run has not recorded yet."""
+    records = [p for p in out.storage.list(out.storage.path(PLAN_DIR)) if p.endswith(".json")]
+    if len(records) != job.get("plan_blocks"):
+        return None
+    total = {"tasks": len(records), "files": 0, "shards": 0, "rows": 0, "seconds": 0.0}
+    for path in records:
+        data = json.loads(out.storage.read_text(path))
+        for k in ("files", "shards", "rows", "seconds"):
+            total[k] += data.get(k, 0)
+    return total

@@ -4,41 +4,41 @@ read (plan shards) -> prepare + generate + write (ShardWorker actors, one shard 
 -> manifest.json and _SUCCESS once every shard's part is committed.
 
 Exactly once: a shard's rows live only in its part, and a part is committed atomically under a
-name derived from the shard; a rerun skips shards whose part exists. The resume state is one
-entry per shard (file + row range), never one per row.
+name derived from the shard; a rerun skips shards whose part exists (checked by the planning
+tasks, so the driver holds no list of shards). The resume state is one entry per shard (file +
+row range), never one per row.
 """
 from __future__ import annotations
 
 import logging
-import os
 import platform
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from engine import __version__
 from engine.config import EngineConfig
+from engine.echo import ECHO_MODEL, EchoEngine
 from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
 from pipeline import chaos
+from pipeline.dataflow import JobError, ensure_ray, execute
+from pipeline.index import LAYOUT, IndexWriter, entries
 from pipeline.lock import LockHeld, RunLock
 from pipeline.metrics import MetricsAccumulator
-from pipeline.progress import Progress, as_progress
+from pipeline.planner import plan_blocks
+from pipeline.progress import as_progress
 from pipeline.prompts import PromptBuilder, TemplateError
-from pipeline.report import build_report, new_run, touch_run, write_run
-from pipeline.sink import SUMMARY_FIELDS, OutputDir
-from pipeline.source import InputError, Shard, list_inputs, plan_shards, read_schema_columns, read_shard
+from pipeline.resources import ResourceError, check_resources
+from pipeline.report import PartTotals, new_run, plan_summary, read_runs, touch_run, usage, write_run
+from pipeline.sink import PLAN_DIR, SUMMARY_FIELDS, OutputDir
+from pipeline.source import InputError, list_inputs, read_schema_columns
 from pipeline.storage import Storage, redact
-from pipeline.worker import FatalShardError, ShardWorker, engine_config
+from pipeline.unique_ids import check_unique_ids
+from pipeline.worker import engine_config
 
 log = logging.getLogger("batchinfer")
 
-
-LOCAL_ID_CHECK_ROWS = 1_000_000  # above this, the unique-id check runs distributed
-
-
-class JobError(RuntimeError):
-    """A fatal problem: the job cannot run. The message is the one-line cause."""
+__all__ = ["JobError", "JobResult", "OutputConflict", "run_job", "preflight", "check_model", "ensure_ray"]
 
 
 class OutputConflict(JobError):
@@ -93,54 +93,68 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     record = _claim_output(out, spec, spec["fingerprint"], overwrite)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
+    ensure_ray(address)
+    try:
+        check_resources(spec["workers"], progress)
+    except ResourceError as exc:
+        raise JobError(str(exc)) from None
     removed = out.storage.remove_temporaries(out.storage.path("data"))
     if removed:
         log.info("removed %d half-written parts left by an earlier crash", removed)
     write_run(out, run)
-
-    in_storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
     chaos.point("listed")
-    done = out.done_keys()
-    shards = list(plan_shards(in_storage, files, spec["workers"]["rows_per_batch"]))
-    all_keys = [s.key for s in shards]
-    pending = [s for s in shards if s.key not in done]
-    progress(f"{len(all_keys)} shards planned, {len(all_keys) - len(pending)} already committed, "
-             f"{len(pending)} to run")
-    if record.get("shards_planned") != len(all_keys):
-        record["shards_planned"] = len(all_keys)
+    resume = out.storage.exists(out.storage.path("data"))
+    _start_plan(out, record, len(files))
+    progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
+             + ("; shards committed earlier are skipped" if resume else ""))
+    layout = 2 if record.get("shard_plan") == "bytes" else 1
+    if spec["input"]["id_column"] and not record.get("ids_unique"):
+        progress("checking that id_column values are unique")
+        check_unique_ids(spec, files, layout)
+        record["ids_unique"] = True
         out.write_json("_job.json", record)
-    if pending:
-        if spec["input"]["id_column"] and not record.get("ids_unique"):
-            progress("checking that id_column values are unique")
-            _check_unique_ids(spec, shards, address)
-            record["ids_unique"] = True
-            out.write_json("_job.json", record)
-        ensure_ray(address)
-        run["generate_started"] = time.time()
-        try:
-            # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
-            _execute({**spec, "created": int(record.get("created") or time.time())}, pending, run, progress)
-        except BaseException:
-            run["status"], run["finished"] = "failed", time.time()
-            write_run(out, run)
-            raise
-        touch_run(run)
-
-    missing = [k for k in all_keys if k not in out.done_keys()]
-    if missing:
-        raise JobError(f"{len(missing)} shards have no committed output after the run; rerun to resume")
+    index = IndexWriter(out, run["run_id"])
+    run["generate_started"] = time.time()
+    try:
+        # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
+        created = int(record.get("created") or time.time())
+        totals = execute({**spec, "created": created}, files, resume, layout, run, index, progress)
+    except BaseException:
+        run["status"], run["finished"] = "failed", time.time()
+        write_run(out, run)
+        raise
+    touch_run(run)
+    plan = plan_summary(out, record)
+    if plan is None or plan["shards"] != totals.shards:
+        raise JobError(f"{(plan or {}).get('shards', 0) - totals.shards} shards have no committed output after "
+                       "the run; rerun to resume")
+    run["planning"] = plan
     run["status"], run["finished"] = "done", time.time()
     write_run(out, run)
     chaos.point("generated")
-    finals = _final_files(spec, out, all_keys)
-    manifest = _manifest(spec, out, all_keys, record, run) | finals
+    return _complete(spec, out, record, run, index, totals)
+
+
+def _complete(spec, out: OutputDir, record: dict, run: dict, index: IndexWriter, totals: PartTotals) -> JobResult:
+    finals = _final_files(spec, out, index.pointer())
+    manifest = _manifest(spec, out, index, totals, record, run) | finals
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > spec["max_error_rate"]:
         manifest["status"] = "error_rate_exceeded"
     out.write_json("manifest.json", manifest)
+    index.remove_others()
     chaos.point("manifest")
     if manifest["status"] == "complete":
         out.mark_success()
     return _result(manifest["status"], out, manifest, run)
+
+
+def _start_plan(out: OutputDir, record: dict, num_files: int) -> None:
+    """Clears the planning records of earlier runs and notes how many this run's tasks write."""
+    out.storage.remove_tree(out.storage.path(PLAN_DIR))
+    blocks = plan_blocks(num_files)
+    if record.get("plan_blocks") != blocks:
+        record["plan_blocks"] = blocks
+        out.write_json("_job.json", record)
 
 
 # -- checks before any actor starts -------------------------------------------------------------
@@ -183,7 +197,9 @@ def input_columns(spec: dict, builder: PromptBuilder) -> list[str]:
 
 def check_model(config: EngineConfig):
     """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
-    loads its tokenizer. Returns the tokenizer."""
+    loads its tokenizer (no weights). Returns the tokenizer."""
+    if config.model == ECHO_MODEL:
+        return EchoEngine(config).tokenizer.hf
     try:
         return load_tokenizer(config, check_model_files(config))
     except (ModelLoadError, ValueError) as exc:
@@ -197,11 +213,10 @@ def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool)
             out.clear()
         record = out.read_json("_job.json")
         if record is not None and record.get("fingerprint") != fingerprint:
-            raise OutputConflict(
-                f"{spec['output']['path']} holds the output of a different job spec "
-                f"(fingerprint {record.get('fingerprint')} != {fingerprint}); use --overwrite to replace it")
+            raise OutputConflict(_conflict(spec, record, fingerprint))
         if record is None:
-            record = {"fingerprint": fingerprint, "created": time.time(), "spec": redact(spec)}
+            record = {"fingerprint": fingerprint, "created": time.time(), "shard_plan": "bytes",
+                      "spec": redact(spec)}
             out.write_json("_job.json", record)
         return record
     except OutputConflict:
@@ -210,160 +225,68 @@ def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool)
         raise JobError(f"cannot write to output {spec['output']['path']}: {one_line(exc)}") from None
 
 
-# -- the Ray Data pipeline ----------------------------------------------------------------------
-
-def ensure_ray(address: str | None) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
-    if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for the driver
-        ray.init(address=address, **quiet)
-    else:
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet)  # a fresh local Ray, sized to this machine
-
-
-def _execute(spec: dict, shards: list, run: dict, progress: Progress) -> None:
-    """Runs the shards through the actor pool; adds each committed shard's counts to `run`."""
-    import ray
-
-    quiet_ray_data()
-    workers = spec["workers"]
-    chaos_env = chaos.forwarded_env()
-    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
-    ds = ds.map_batches(
-        ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=workers["num"]),
-        num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
-        runtime_env={"env_vars": chaos_env} if chaos_env else None,
-    )
-    sizes = {s.key: s.stop - s.start for s in shards}
-    progress.start(len(shards), sum(sizes.values()))
-    try:
-        for row in ds.iter_rows():
-            for k in SUMMARY_FIELDS:
-                run[k] += int(row[k])
-            progress.shard_done(run, sizes.get(row["shard"], 0))
-    except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
-        raise JobError(_worker_cause(exc)) from exc
-    finally:
-        progress.close()
-
-
-def quiet_ray_data() -> None:
-    """Ray Data's own progress bars and per-dataset logs off: the job reports its own progress
-    (pipeline.progress), and two bars never draw at once."""
-    import ray
-
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    ctx.enable_auto_log_stats = False
-    detectors = getattr(ctx, "issue_detectors_config", None)
-    if detectors is not None:  # per-actor memory advice is noise for a model-sized actor
-        detectors.high_memory_detector_config.detection_time_interval_s = -1
-
-
-def _worker_cause(exc: BaseException) -> str:
-    """The cause of a worker failure that Ray wrapped (RayTaskError, UserCodeException). Ray
-    ships the remote exception as text inside the wrapper, so the cause is looked up there."""
-    chain, seen = [], set()
-    while isinstance(exc, BaseException) and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    for item in chain:
-        if isinstance(item, FatalShardError):
-            return str(item)
-        found = re.search(rf"{FatalShardError.__name__}: (.+)", str(item))
-        if found:
-            return found.group(1).strip()
-    for item in chain:
-        found = re.findall(r"^(\w+(?:Error|Exception): .+)$", str(item), flags=re.M)
-        if found:
-            return f"a worker failed: {found[-1].strip()}"
-    return f"a worker failed: {one_line(chain[-1])}"
-
-
-def _check_unique_ids(spec: dict, shards: list, address: str | None) -> None:
-    """Fails when id_column holds a value twice anywhere in the input. Small inputs are checked
-    here; large ones as a Ray Data group-by, so no process ever holds every id."""
-    column = spec["input"]["id_column"]
-    if sum(s.stop - s.start for s in shards) <= LOCAL_ID_CHECK_ROWS:
-        seen: set[str] = set()
-        for shard in shards:
-            for value in _ids_of(spec, shard):
-                if value in seen:
-                    raise JobError(f"duplicate id {value!r} in column {column!r} (ids must be unique)")
-                seen.add(value)
-        return
-    import ray
-    from ray.data.expressions import col
-
-    ensure_ray(address)
-    quiet_ray_data()
-    ds = ray.data.from_items([s.to_dict() for s in shards], override_num_blocks=min(len(shards), 1000))
-    ds = ds.map_batches(_shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
-    dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)
-    if dup:
-        raise JobError(f"duplicate id {dup[0]['id']!r} in column {column!r} (ids must be unique)")
-
-
-def _shard_ids(batch: dict, spec: dict) -> dict:
-    """Ray Data stage: the id_column values of a batch of shards."""
-    return {"id": [value for shard in Shard.from_batch(batch) for value in _ids_of(spec, shard)]}
-
-
-def _ids_of(spec: dict, shard) -> list[str]:
-    storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
-    column = spec["input"]["id_column"]
-    rows, _, _ = read_shard(storage, shard)
-    return [str(r[column]) for r in rows if r.get(column) is not None]
+def _conflict(spec: dict, record: dict, fingerprint: str) -> str:
+    where = spec["output"]["path"]
+    if "shard_plan" not in record and spec["workers"]["rows_per_batch"] is None:
+        # an output of batchinfer before shard_bytes, whose shards held rows_per_batch rows (default 256)
+        return (f"{where} was started by an earlier batchinfer that cut shards every workers.rows_per_batch rows "
+                f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
+    return (f"{where} holds the output of a different job spec (fingerprint {record.get('fingerprint')} != "
+            f"{fingerprint}); use --overwrite to replace it")
 
 
 # -- manifest -----------------------------------------------------------------------------------
 
-def _final_files(spec: dict, out: OutputDir, keys: list[str]) -> dict:
+def _final_files(spec: dict, out: OutputDir, index: dict) -> dict:
     """Files computed from the committed parts (so a resumed job writes what an uninterrupted
     one would): metrics.json for task eval; output.jsonl and errors.jsonl for openai_batch.
     Returns what the manifest says about them."""
     extra = {}
     if spec["task"] == "eval":
         acc = MetricsAccumulator(spec["eval"]["metrics"], spec["eval"]["group_column"])
-        for key in keys:
-            table = out.read_part(key)
-            if table.num_rows:  # an empty shard's part has no score columns to read
-                acc.add(table)
+        for entry in entries(out, {"index": index}):
+            if entry["rows"]:  # an empty shard's part has no score columns to read
+                acc.add(out.read_part(entry["shard"]))
         result = acc.result()
         out.write_json("metrics.json", result)
         extra["metrics"] = {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}
     if out.format == "openai_batch":
-        everything, failed = [], []
-        for line, obj in out.iter_lines(keys):
-            everything.append(line)
-            if obj["error"] is not None:
-                failed.append(line)
-        for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
-            out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
-        extra["openai_batch"] = {"output_file": "output.jsonl", "error_file": "errors.jsonl",
-                                 "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
-                                                    "failed": len(failed)}}
+        extra["openai_batch"] = _openai_files(out, index)
     return extra
 
 
-def _manifest(spec, out: OutputDir, keys, record, run) -> dict:
-    report = build_report(out, keys, spec["report"]["price_per_hour"])
+def _openai_files(out: OutputDir, index: dict) -> dict:
+    """output.jsonl (every line, in input order) and errors.jsonl (the failed ones)."""
+    keys = [e["shard"] for e in sorted(entries(out, {"index": index}), key=lambda e: (e["file"], e["start"]))]
+    everything, failed = [], []
+    for line, obj in out.iter_lines(keys):
+        everything.append(line)
+        if obj["error"] is not None:
+            failed.append(line)
+    for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
+        out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
+    return {"output_file": "output.jsonl", "error_file": "errors.jsonl",
+            "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
+                               "failed": len(failed)}}
+
+
+def _manifest(spec, out: OutputDir, index: IndexWriter, totals: PartTotals, record, run) -> dict:
+    """Counts, usage and pointers; the parts are listed in the index it points to."""
+    data = totals.result()
     return {
         "batchinfer_version": __version__,
+        "layout": LAYOUT,
         "status": "complete",
         "spec": redact({k: v for k, v in spec.items() if k != "fingerprint"}),
         "fingerprint": spec["fingerprint"],
         "model": spec["model"],
         "format": out.format,
         "versions": _versions(),
-        **report,
+        **data,
+        "prefix_cache_hit_rate": data["cached_prompt_tokens"] / data["prompt_tokens"] if data["prompt_tokens"] else 0.0,
+        "usage": usage(read_runs(out), data["generated_tokens"], spec["report"]["price_per_hour"]),
+        "index": index.pointer(),
+        "planning": run.get("planning"),
         "created": record.get("created"),
         "finished": time.time(),
         "this_run": {k: run[k] for k in (*SUMMARY_FIELDS, "run_id", "generate_seconds")}

@@ -3,11 +3,13 @@
 Layout of an output directory:
     _job.json             the spec fingerprint: a rerun with another spec is refused
     data/part-<key>.*     one part per input shard, written whole or not at all
-    _progress/<key>.json  the shard's counts, written after its part
+    _progress/<key>.json  the shard's commit record (counts, times), written after its part
+    _plan/<block>.json    shards and rows planned by one planning task (for partial reports)
+    _index/<run>/*.jsonl  the part index: one line per committed shard (see pipeline.index)
     metrics.json          task eval: metrics over the committed scores (written when complete)
     output.jsonl          openai_batch: every line, in input order (written when complete)
     errors.jsonl          openai_batch: the failed requests' lines (written when complete)
-    manifest.json         counts, timings, versions, list of parts (written when complete)
+    manifest.json         counts, timings, versions, a pointer to the index (written when complete)
     _SUCCESS              written last
 """
 from __future__ import annotations
@@ -25,8 +27,13 @@ from pipeline.storage import Storage
 FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
 """Written from the committed parts once every shard is done (by task / format)."""
 
-SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens")
-"""Counts kept per shard and summed per job; `skipped` = malformed lines left out (on_bad_line: skip)."""
+PLAN_DIR = "_plan"
+"""Planning records, one per planning task."""
+
+SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens", "cached_prompt_tokens")
+"""Counts kept per shard and summed per job; `skipped` = malformed lines left out (on_bad_line: skip);
+`cached_prompt_tokens` = prompt tokens served by the engine's prefix cache (0 in records written
+before it was counted)."""
 
 
 class OutputDir:
@@ -65,7 +72,7 @@ class OutputDir:
             path = self.storage.path(name)
             if self.storage.exists(path):
                 self.storage.fs.rm(path)
-        for sub in ("data", "_progress"):
+        for sub in ("data", "_progress", PLAN_DIR, "_index"):
             self.storage.remove_tree(self.storage.path(sub))
 
     # -- parts ----------------------------------------------------------------------------------

@@ -1,20 +1,21 @@
 """Input side: list files, plan shards (file + row range), read one shard with row ids.
 
 Planning streams: it needs only file listings, Parquet footers and, for JSONL, one pass that
-counts newlines in fixed-size blocks. A shard is the unit of work, commit and resume.
+counts newlines in fixed-size blocks (run in Ray tasks, see pipeline.planner). A shard is the
+unit of work, commit and resume; its size is set by bytes of input (work), capped by rows.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import posixpath
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.storage import Storage
+from pipeline.storage import Storage, with_retries
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -46,7 +47,7 @@ class Shard:
 
     @property
     def key(self) -> str:
-        """Stable identity of the shard: the same input and rows_per_batch give the same keys."""
+        """Stable identity of the shard: the same input and shard settings give the same keys."""
         return hashlib.sha1(f"{self.name}\0{self.start}\0{self.stop}".encode()).hexdigest()[:20]
 
     def to_dict(self) -> dict:
@@ -58,7 +59,8 @@ class Shard:
         def plain(value):
             return value.item() if hasattr(value, "item") else value
 
-        return [cls(**{k: plain(v[i]) for k, v in batch.items()}) for i in range(len(batch["file"]))]
+        names = [f.name for f in fields(cls)]
+        return [cls(**{k: plain(batch[k][i]) for k in names}) for i in range(len(batch["file"]))]
 
 
 def file_format(path: str, declared: str) -> str | None:
@@ -100,53 +102,100 @@ def list_inputs(storage: Storage, declared_format: str) -> list[tuple[str, str, 
     return files
 
 
-def plan_shards(storage: Storage, files, rows_per_shard: int) -> Iterator[Shard]:
+def plan_shards(storage: Storage, files, rows_per_shard: int | None,
+                shard_bytes: int | None = None) -> Iterator[Shard]:
+    """Shards of every file, in file order. A shard ends at the first line end at or after
+    `shard_bytes` bytes of the file (Parquet: of its uncompressed data), or after
+    `rows_per_shard` rows, whichever comes first (None = no such limit)."""
+    if not rows_per_shard and not shard_bytes:
+        raise ValueError("plan_shards needs rows_per_shard or shard_bytes")
     for path, name, fmt in files:
-        try:
-            if fmt == "parquet":
-                yield from _parquet_shards(storage, path, name, rows_per_shard)
-            else:
-                yield from _jsonl_shards(storage, path, name, rows_per_shard)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"cannot read {storage.uri(path)}: {exc}") from exc
+        yield from plan_file(storage, path, name, fmt, rows_per_shard, shard_bytes)
 
 
-def _parquet_shards(storage: Storage, path: str, name: str, rows: int) -> Iterator[Shard]:
+def plan_file(storage: Storage, path: str, name: str, fmt: str, rows_per_shard: int | None,
+              shard_bytes: int | None, attempts: int = 1) -> list[Shard]:
+    """The shards of one file; a read error is retried `attempts` times, then is an InputError."""
+    def plan() -> list[Shard]:
+        if fmt == "parquet":
+            return list(_parquet_shards(storage, path, name, rows_per_shard, shard_bytes))
+        return list(_jsonl_shards(storage, path, name, rows_per_shard or 0, shard_bytes or 0))
+
+    try:
+        return with_retries(plan, f"planning {name}", attempts=attempts)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"cannot read {storage.uri(path)}: {exc}") from exc
+
+
+def _parquet_shards(storage: Storage, path: str, name: str, rows: int | None,
+                    shard_bytes: int | None) -> Iterator[Shard]:
     with storage.fs.open(path, "rb") as f:
-        total = pq.ParquetFile(f).metadata.num_rows
+        meta = pq.ParquetFile(f).metadata
+    total = meta.num_rows
+    if shard_bytes:
+        data = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+        by_bytes = max(1, shard_bytes * total // max(data, 1))
+        rows = min(rows, by_bytes) if rows else by_bytes
     for start in range(0, total, rows):
         yield Shard(path, name, "parquet", start, min(start + rows, total))
 
 
-def _jsonl_shards(storage: Storage, path: str, name: str, rows: int) -> Iterator[Shard]:
-    """Splits at every `rows`-th newline, found block by block (constant memory)."""
-    line = 0
-    offset = 0
-    shard_line, shard_byte = 0, 0
-    last_byte = b"\n"
+def _jsonl_shards(storage: Storage, path: str, name: str, rows: int, shard_bytes: int) -> Iterator[Shard]:
+    """Reads the file once, block by block (constant memory), and cuts it at line ends: after
+    `rows` lines or at the first line end at or after `shard_bytes` bytes. Lines are counted
+    with bytes.count, so the cost is one pass at memory speed, not a Python loop per line."""
+    cut = _Cutter(path, name, rows, shard_bytes)
     with storage.fs.open(path, "rb") as f:
         while True:
             block = f.read(BLOCK)
             if not block:
                 break
-            pos = 0
-            while True:
-                need = rows - (line - shard_line)
-                idx = _nth_newline(block, pos, need)
-                if idx < 0:
-                    line += block.count(b"\n", pos)
-                    break
-                line += need
-                end = offset + idx + 1
-                yield Shard(path, name, "jsonl", shard_line, line, shard_byte, end)
-                shard_line, shard_byte = line, end
-                pos = idx + 1
-            offset += len(block)
-            last_byte = block[-1:]
-    if last_byte != b"\n":
-        line += 1  # a last line without a trailing newline
-    if line > shard_line:
-        yield Shard(path, name, "jsonl", shard_line, line, shard_byte, offset)
+            yield from cut.feed(block)
+    yield from cut.finish()
+
+
+class _Cutter:
+    """The state of one JSONL file's planning: where the open shard starts and its lines so far."""
+
+    def __init__(self, path: str, name: str, rows: int, shard_bytes: int):
+        self.path, self.name, self.rows, self.shard_bytes = path, name, rows, shard_bytes
+        self.offset = 0  # file offset of the current block
+        self.line, self.byte = 0, 0  # first line and byte of the open shard
+        self.lines = 0  # complete lines in the open shard so far
+        self.last = b"\n"
+
+    def feed(self, block: bytes) -> Iterator[Shard]:
+        pos = 0
+        while True:
+            end = self._byte_cut(block, pos)
+            lines = block.count(b"\n", pos, len(block) if end < 0 else end + 1)
+            if self.rows and self.lines + lines >= self.rows:
+                end = _nth_newline(block, pos, self.rows - self.lines)
+                lines = self.rows - self.lines
+            elif end < 0:
+                self.lines += lines
+                break
+            yield self._shard(self.lines + lines, self.offset + end + 1)
+            pos = end + 1
+        self.offset += len(block)
+        self.last = block[-1:]
+
+    def _byte_cut(self, block: bytes, pos: int) -> int:
+        """Index in `block` of the first newline at or after the shard's byte target; -1 if none."""
+        if not self.shard_bytes:
+            return -1
+        target = self.byte + self.shard_bytes - 1 - self.offset
+        return block.find(b"\n", max(pos, target)) if target < len(block) else -1
+
+    def _shard(self, lines: int, stop_byte: int) -> Shard:
+        shard = Shard(self.path, self.name, "jsonl", self.line, self.line + lines, self.byte, stop_byte)
+        self.line, self.byte, self.lines = self.line + lines, stop_byte, 0
+        return shard
+
+    def finish(self) -> Iterator[Shard]:
+        lines = self.lines + (self.last != b"\n")  # a last line without a trailing newline
+        if lines:
+            yield self._shard(lines, self.offset)
 
 
 def _nth_newline(block: bytes, pos: int, n: int) -> int:

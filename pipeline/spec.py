@@ -138,8 +138,15 @@ class WorkersSpec(_Section):
     num: int = Field(1, ge=1, description="Engine actors (one model copy each).")
     gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU).")
     cpus: float = Field(0.5, gt=0, description="CPUs per actor; fractional on CPU so reads can still be scheduled.")
-    rows_per_batch: int = Field(
-        256, ge=1, description="Rows handed to an actor at once: the unit of work, commit and resume.")
+    rows_per_batch: int | None = Field(
+        None, ge=1, description="Most rows in one shard (the unit of work, commit and resume); None = shards are "
+        "sized by shard_bytes alone.")
+    shard_bytes: int = Field(
+        1 << 20, ge=1, description="Input bytes per shard (JSONL text; Parquet: uncompressed data): shards end at "
+        "the first line end past this, so short rows make few large shards and long rows small ones.")
+    resource_wait_s: float = Field(
+        600.0, ge=0, description="With an autoscaling cluster, how long to wait for room for one actor "
+        "(workers.gpus/cpus) before failing; a fixed cluster that cannot fit one fails at once.")
 
 
 class JobSpec(_Section):
@@ -176,7 +183,8 @@ class JobSpec(_Section):
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written)."""
         data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
-                                                     "input": {"storage_options"}, "workers": {"num", "gpus", "cpus"},
+                                                     "input": {"storage_options"},
+                                                     "workers": {"num", "gpus", "cpus", "resource_wait_s"},
                                                      "report": True, "max_error_rate": True})
         # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
         defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
@@ -192,7 +200,8 @@ class JobSpec(_Section):
 
 ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
                 ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
-                ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"))
+                ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
+                ("workers", "shard_bytes"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 
 

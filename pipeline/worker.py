@@ -1,21 +1,35 @@
 """Generate stage: an actor holding one engine, turning whole shards into committed parts."""
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import socket
 import time
+from dataclasses import replace
 
 import pyarrow as pa
 
 from engine import EngineConfig, LLMEngine
+from engine.echo import ECHO_MODEL, EchoEngine
 from engine.loader import one_line
 from pipeline import chaos
 from pipeline import openai_batch as oai
-from pipeline.sink import SUMMARY_FIELDS, OutputDir, summarize
+from pipeline.planner import shard_identity
+from pipeline.sink import OutputDir, summarize
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
 from pipeline.tasks import TaskRunner, column_type, output_columns, request_for
+
+
+MAX_OOM_HALVINGS = 4
+"""Times a shard is retried at half the engine's max_batch_tokens before the job fails."""
+
+OOM_MARKERS = ("out of memory", "DefaultCPUAllocator")
+"""Texts of allocation failures that torch raises as plain RuntimeErrors (host memory)."""
+
+log = logging.getLogger(__name__)
 
 
 class FatalShardError(RuntimeError):
@@ -46,11 +60,12 @@ class EngineActor:
             raise FatalShardError(self.setup_error)
 
 
-def start_engine(spec: dict, prompts=None) -> tuple[LLMEngine, TaskRunner]:
-    """The engine for `spec` (its CPU threads shared among the node's actors) and its task runner."""
+def start_engine(spec: dict, prompts=None, config: EngineConfig | None = None) -> tuple[LLMEngine, TaskRunner]:
+    """The engine for `spec` (or for `config`, e.g. at a halved budget; its CPU threads shared
+    among the node's actors) and its task runner."""
     if not spec["workers"]["gpus"]:
         _share_cpu_threads(spec["workers"]["num"])
-    engine = LLMEngine(engine_config(spec))
+    engine = build_engine(config or engine_config(spec))
     return engine, TaskRunner(spec, engine, prompts)
 
 
@@ -64,30 +79,85 @@ class ShardWorker(EngineActor):
         self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
         self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
                                 spec["output"]["format"])
-        self.engine, self.tasks = start_engine(spec)
+        self.engine_config = engine_config(spec)
+        self._build_engine()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.last_done = 0.0
 
     def __call__(self, batch: dict) -> dict:
+        """One commit record (JSON) per shard: its identity, counts and times. A shard the
+        planner found committed already is passed through with its record, without work."""
         self.check_setup()
-        results = [self.process(shard) for shard in Shard.from_batch(batch)]
-        return {k: [r[k] for r in results] for k in results[0]}
+        records, new = [], []
+        for shard, done in zip(Shard.from_batch(batch), batch["committed"]):
+            records.append(str(done) if done else json.dumps(self.process(shard)))
+            new.append(not done)
+        return {"record": records, "new": new}
 
     def process(self, shard: Shard) -> dict:
         started = time.perf_counter()
+        idle = started - self.last_done if self.last_done else 0.0
         rows, ids, errors = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
+        read = time.perf_counter()
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
-        records = self.tasks.run(rows, ids, errors)
+        cached_before = _cached_tokens(self.engine)
+        records, budgets = self._run_tasks(rows, ids, errors)
+        engine = time.perf_counter()
         table = output_table(self.spec, rows, ids, records)
         summary = summarize(table)
+        summary["cached_prompt_tokens"] = _cached_tokens(self.engine) - cached_before
         if self.output.format == "openai_batch":
             table = self._openai_lines(rows, ids, records)
-        summary.update(skipped=skipped, shard=shard.key, file=shard.name, start=shard.start, stop=shard.stop,
-                       seconds=time.perf_counter() - started, worker=self.worker_id,
-                       part=self.output.storage.uri(self.output.part_path(shard.key)))
+        summary.update(shard_identity(self.output, shard), skipped=skipped, worker=self.worker_id,
+                       read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
+                       oom_retries=len(budgets), oom_budgets=budgets,
+                       max_batch_tokens=self.engine_config.max_batch_tokens)
         chaos.point("shard")
+        before_commit = time.perf_counter()
+        summary["seconds"] = before_commit - started
         with_retries(lambda: self.output.commit(shard.key, table, summary), f"committing shard {shard.key}")
-        return {k: summary[k] for k in ("shard", *SUMMARY_FIELDS, "seconds", "worker", "part", "error_samples")}
+        self.last_done = time.perf_counter()
+        summary["commit_seconds"] = self.last_done - before_commit
+        summary["committed_at"] = time.time()
+        summary["seconds"] = self.last_done - started
+        return summary
+
+    def _run_tasks(self, rows, ids, errors) -> tuple[list[dict], list[int]]:
+        """The task's records for the rows. Out of memory (accelerator or host) is not the job's
+        failure: the engine is rebuilt with half its max_batch_tokens and the shard retried,
+        up to MAX_OOM_HALVINGS times. Returns the records and the budgets retried at."""
+        budgets: list[int] = []
+        while True:
+            attempt = list(errors)  # the task marks failed rows in place; each try starts afresh
+            try:
+                records = self.tasks.run(rows, ids, attempt)
+                errors[:] = attempt
+                return records, budgets
+            except Exception as exc:  # noqa: BLE001
+                if not is_out_of_memory(exc):
+                    raise
+                if len(budgets) == MAX_OOM_HALVINGS or self.engine_config.max_batch_tokens < 2:
+                    raise FatalShardError(f"out of memory at engine.max_batch_tokens="
+                                          f"{self.engine_config.max_batch_tokens} after {len(budgets)} halvings: "
+                                          f"{one_line(exc)}") from exc
+                budgets.append(self._halve_budget())
+
+    def _halve_budget(self) -> int:
+        config = self.engine_config
+        budget = config.max_batch_tokens // 2
+        prefill = config.max_prefill_tokens
+        self.engine_config = replace(config, max_batch_tokens=budget,
+                                     max_prefill_tokens=min(prefill, budget) if prefill else None)
+        log.warning("out of memory on a shard: rebuilding the engine with max_batch_tokens=%d", budget)
+        self.engine = self.tasks = None  # let the old engine's memory go before the new one loads
+        gc.collect()
+        _empty_device_cache()
+        self._build_engine()
+        return budget
+
+    def _build_engine(self) -> None:
+        self.engine, self.tasks = start_engine(self.spec, config=self.engine_config)
 
     def _bad_lines(self, rows, ids, errors):
         """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),
@@ -163,6 +233,36 @@ def output_table(spec: dict, rows: list[dict], ids: list[str], records: list[dic
                          **{name: pa.array([], column_type(name)) for name in produced}})
     names = list(dict.fromkeys(name for record in out for name in record))
     return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
+
+
+def build_engine(config: EngineConfig):
+    """The worker's engine: LLMEngine, or the instant EchoEngine for builtin:echo (scale tests)."""
+    if config.model == ECHO_MODEL:
+        return EchoEngine(config)
+    return LLMEngine(config)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: torch.OutOfMemoryError (CUDA, MPS) or a host allocator's RuntimeError."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        isinstance(exc, MemoryError) or any(m in str(exc) for m in OOM_MARKERS))
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _cached_tokens(engine) -> int:
+    """Prompt tokens the engine has served from its prefix cache so far."""
+    cache = getattr(engine, "prefix_cache", None)
+    return cache.hit_tokens if cache is not None else 0
 
 
 def _token_logprob(tokenizer, step: dict[int, float], n: int) -> oai.TokenLogprob:

@@ -8,7 +8,7 @@ both scheduling modes, with and without stop strings (which need per-row detoken
 
 Target (issue 11): <= 2 ms of host time per decode step beyond the bare forward.
 
-    .venv/bin/python scripts/bench_overhead.py [--rows 256] [--threads 2]
+    .venv/bin/python scripts/bench_overhead.py [--rows 256] [--threads 1]
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def measure(model_dir: Path, mode: str, rows: int, stops: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the least sensitive to other work on the machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

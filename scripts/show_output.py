@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prints the first rows of a job's output, read through its manifest.
+"""Prints the first rows of a job's output, read through the part index its manifest points to.
 
     .venv/bin/python scripts/show_output.py OUTPUT_DIR [--rows 5]
 """
@@ -12,6 +12,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.index import part_entries
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -20,8 +22,11 @@ def main() -> None:
     args = ap.parse_args()
     fs, root = fsspec.core.url_to_fs(args.output)
     manifest = json.loads(fs.cat_file(root.rstrip("/") + "/manifest.json"))
-    shown = 0
-    for part in manifest["parts"]:
+    shown = parts = 0
+    for part in part_entries(args.output):
+        parts += 1
+        if shown == args.rows:
+            continue
         with fsspec.open(part["path"], "rb") as f:
             data = f.read()
         table = pq.read_table(pa.BufferReader(data)) if manifest["format"] == "parquet" else \
@@ -33,7 +38,7 @@ def main() -> None:
             print(f"{row['id']}: {row.get('prompt', '')!r}\n    -> {text!r} [{row['finish_reason']}, "
                   f"{row['num_generated_tokens']} tokens]")
             shown += 1
-    print(f"... {manifest['rows']} rows in {len(manifest['parts'])} parts under {args.output} "
+    print(f"... {manifest['rows']} rows in {parts} parts under {args.output} "
           f"(builtin models have random weights: the text is noise)")
 
 

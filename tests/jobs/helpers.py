@@ -7,6 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.index import part_entries
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -15,10 +17,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def read_output(out: Path) -> pa.Table:
-    """Every committed row, read the way a user would: through the manifest's parts."""
+    """Every committed row, read the way a user would: through the part index the manifest points to."""
     manifest = json.loads((out / "manifest.json").read_text())
     tables = []
-    for part in manifest["parts"]:
+    for part in part_entries(str(out)):
         if manifest["format"] == "parquet":
             tables.append(pq.read_table(part["path"]))
         else:

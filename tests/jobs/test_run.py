@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from helpers import committed_ids, read_output, write_jsonl
 from jobs.cli import main
+from pipeline.index import part_entries
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -39,7 +40,8 @@ def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
     assert manifest["rows"] == 75 and manifest["errors"] == 0
     assert manifest["generated_tokens"] == sum(table["num_generated_tokens"].to_pylist())
     assert manifest["status"] == "complete" and (out / "_SUCCESS").exists()
-    assert len(manifest["parts"]) == 9 and len(manifest["workers"]) >= 1
+    assert manifest["index"]["parts"] == 9 and len(list(part_entries(str(out)))) == 9
+    assert "parts" not in manifest and len(manifest["workers"]) >= 1
     assert "rows" in text and "75" in text  # summary table
 
     before = {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()}
@@ -147,9 +149,10 @@ def test_s3_input_to_s3_output(tmp_path, s3_server):
     assert code == 0, text
     assert fs.exists("batchinfer-test/out/_SUCCESS")
     manifest = json.loads(fs.cat("batchinfer-test/out/manifest.json"))
-    assert manifest["rows"] == 16 and all(p["path"].startswith("s3://") for p in manifest["parts"])
+    parts = list(part_entries("s3://batchinfer-test/out/"))
+    assert manifest["rows"] == 16 and parts and all(p["path"].startswith("s3://") for p in parts)
     ids = []
-    for part in manifest["parts"]:
+    for part in parts:
         with fs.open(part["path"]) as f:
             ids += pq.read_table(f)["id"].to_pylist()
     assert sorted(ids) == sorted(f"{f}.jsonl:{i}" for f in range(2) for i in range(8))
@@ -224,3 +227,30 @@ def test_scheduling_modes_write_the_same_rows(tmp_path):
         manifest = json.loads((tmp_path / mode / "manifest.json").read_text())
         assert manifest["spec"]["engine"]["scheduling"] == mode
     assert texts["static"] == texts["continuous"] and len(texts["static"]) == 20
+
+
+@pytest.mark.parametrize("setting,named", [("workers.gpus=1", "workers.gpus=1: no node of the Ray cluster has 1 GPU"),
+                                           ("workers.cpus=64", "workers.cpus=64: no node")])
+def test_actors_that_cannot_fit_the_cluster_fail_at_once_in_one_line(tmp_path, setting, named):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    start = time.time()
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", setting)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and named in errors[0], text
+    assert time.time() - start < 30
+    assert not (tmp_path / "out" / "_lock.json").exists() and not (tmp_path / "out" / "data").exists()
+
+
+def test_a_shared_instruction_prefix_is_computed_once_and_reported(tmp_path):
+    """Rows that repeat the same instructions hit the engine's prefix cache: the manifest, the
+    summary table and `batchinfer report` say how much of the prompt was reused."""
+    instructions = "Classify the sentiment of the following product review as positive or negative. " * 2
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{instructions}Review {i}: it was fine."} for i in range(12)])
+    out = tmp_path / "out"
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2")
+    assert code == 0, text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cached_prompt_tokens"] > 0 and 0.5 < manifest["prefix_cache_hit_rate"] < 1
+    assert re.search(r"prefix cache hits\s+\d+\.\d% of prompt tokens", text)
+    report = CliRunner().invoke(main, ["report", str(out)]).output
+    assert f"{manifest['prefix_cache_hit_rate']:.1%} of prompt tokens" in report

@@ -84,8 +84,12 @@ def test_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path):
 
 
 def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
-    """Outputs started by batchinfer 0.1 (before label/eval/chat/prefill fields existed) resume:
-    fields added since count only when set. The value was computed by the 0.1 code (ac30e8b)."""
-    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5}}
+    """Outputs started by batchinfer 0.1 (before label/eval/chat/prefill/shard_bytes fields existed)
+    resume: fields added since count only when set. The value was computed by the 0.1 code
+    (ac30e8b). 0.1 cut shards every 256 rows by default; shards are now cut by bytes, so such an
+    output resumes with that row count set (tests/jobs/test_layout.py: the refusal says so)."""
+    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
+            "workers": {"rows_per_batch": 256}}
     assert validate(spec).fingerprint() == "aaf815c29dd0473d"
+    assert validate({**spec, "workers": {}}).fingerprint() != "aaf815c29dd0473d"
     assert validate({**spec, "engine": {"max_prefill_tokens": 512}}).fingerprint() != "aaf815c29dd0473d"

@@ -91,3 +91,28 @@ def test_malformed_line_is_a_row_error_naming_file_and_line(tmp_path):
     assert "expected a JSON object" in errors[2]
     assert "a.jsonl line 4" in errors[3]
     assert len(ids) == 4
+
+
+@pytest.mark.parametrize("block", [16, 64, 1 << 20])
+@pytest.mark.parametrize("shard_bytes,rows_cap", [(1, None), (100, None), (100, 3), (10_000, None)])
+def test_byte_target_shards_align_to_lines_and_keep_the_derived_ids(tmp_path, monkeypatch, block, shard_bytes,
+                                                                     rows_cap):
+    monkeypatch.setattr(source, "BLOCK", block)
+    data = [{"prompt": "p" * (i % 17), "n": i} for i in range(61)]
+    write_jsonl(tmp_path / "a.jsonl", data, blank_every=9)
+    storage = Storage(str(tmp_path))
+    shards = list(plan_shards(storage, list_inputs(storage, "auto"), rows_cap, shard_bytes))
+    ids, rows = [], []
+    for shard in shards:
+        r, i, _ = read_shard(storage, shard)
+        rows += r
+        ids += i
+    _, by_rows, _ = all_rows(storage, 1000)
+    assert ids == by_rows and [r["n"] for r in rows] == list(range(61))
+    raw = (tmp_path / "a.jsonl").read_bytes()
+    for s in shards:
+        assert s.byte_start == 0 or raw[s.byte_start - 1:s.byte_start] == b"\n"  # starts on a line
+        assert raw.count(b"\n", s.byte_start, s.byte_stop) == s.stop - s.start
+        assert rows_cap is None or s.stop - s.start <= rows_cap
+    assert all(s.byte_stop - s.byte_start >= shard_bytes for s in shards[:-1] if rows_cap is None)
+    assert shards[-1].byte_stop == len(raw)

@@ -1,28 +1,28 @@
-"""The unique-id check: in the driver for small inputs, as a Ray Data group-by for large ones."""
+"""The unique-id check: a Ray Data group-by over the planned input, no process holding every id."""
 import pytest
 
-from pipeline import runner
-from pipeline.runner import JobError, _check_unique_ids
-from pipeline.source import list_inputs, plan_shards
+from pipeline.dataflow import JobError
+from pipeline.source import list_inputs
 from pipeline.storage import Storage
+from pipeline.unique_ids import check_unique_ids
+
+pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-def spec_for(path):
+def spec_for(path, out):
     """The parts of a spec dict the id check reads."""
-    return {"input": {"path": str(path), "storage_options": {}, "id_column": "id"}}
+    return {"input": {"path": str(path), "storage_options": {}, "id_column": "id"},
+            "output": {"path": str(out), "storage_options": {}, "format": "parquet"},
+            "workers": {"rows_per_batch": 4, "shard_bytes": 1 << 20}}
 
 
-@pytest.mark.parametrize("distributed", [False, True])
-def test_duplicates_across_shards_are_named(tmp_path, monkeypatch, distributed, request):
-    if distributed:
-        request.getfixturevalue("ray_local")
-        monkeypatch.setattr(runner, "LOCAL_ID_CHECK_ROWS", 0)
-    (tmp_path / "a.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "p"}}\n' for i in range(30)))
-    (tmp_path / "b.jsonl").write_text('{"id": "r7", "prompt": "again"}\n')
-    spec = spec_for(tmp_path)
-    storage = Storage(str(tmp_path))
-    shards = list(plan_shards(storage, list_inputs(storage, "auto"), 4))
+def test_duplicates_across_files_and_shards_are_named(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "p"}}\n' for i in range(30)))
+    (tmp_path / "in" / "b.jsonl").write_text('{"id": "r7", "prompt": "again"}\n')
+    spec = spec_for(tmp_path / "in", tmp_path / "out")
+    files = list_inputs(Storage(str(tmp_path / "in")), "auto")
     with pytest.raises(JobError, match="duplicate id 'r7' in column 'id'"):
-        _check_unique_ids(spec, shards, None)
-    (tmp_path / "b.jsonl").write_text('{"id": "r99", "prompt": "fresh"}\n')
-    _check_unique_ids(spec, list(plan_shards(storage, list_inputs(storage, "auto"), 4)), None)
+        check_unique_ids(spec, files, layout=2)
+    (tmp_path / "in" / "b.jsonl").write_text('{"id": "r99", "prompt": "fresh"}\n')
+    check_unique_ids(spec, files, layout=2)

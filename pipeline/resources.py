@@ -1,0 +1,91 @@
+"""Preflight of the actors' resource request against the Ray cluster: never hang on it.
+
+One engine actor asks for workers.cpus CPUs and workers.gpus GPUs on one node. On a fixed
+cluster (a local Ray, or a cluster without an autoscaler) a request no node can hold fails at
+once; with an autoscaler the job asks for one such node and waits up to
+workers.resource_wait_s, then fails. Ray itself would wait forever ("The job may hang
+forever"), which is the worst outcome for a cron job.
+"""
+from __future__ import annotations
+
+import time
+
+POLL_S = 5.0
+
+
+class ResourceError(RuntimeError):
+    """The actors cannot be placed; the message names the resource, in one line."""
+
+
+def actor_request(workers: dict) -> dict[str, float]:
+    """The resources one engine actor asks Ray for."""
+    need = {"CPU": float(workers["cpus"])}
+    if workers["gpus"]:
+        need["GPU"] = float(workers["gpus"])
+    return need
+
+
+def shortfall(need: dict[str, float], nodes: list[dict[str, float]]) -> tuple[str, float] | None:
+    """None if some node can hold `need`, else (the first resource no node has enough of,
+    the most of it on any one node)."""
+    if any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
+        return None
+    for key, value in need.items():
+        most = max((node.get(key, 0.0) for node in nodes), default=0.0)
+        if most < value:
+            return key, most
+    return next(iter(need)), 0.0  # each fits somewhere, never together on one node
+
+
+def scalable(need: dict[str, float], node_groups: list[dict[str, float]]) -> bool:
+    """Whether an autoscaler with these node types (resources per node) could add a node for `need`."""
+    return any(all(group.get(k, 0.0) >= v for k, v in need.items()) for group in node_groups)
+
+
+def describe(workers: dict, need: dict, missing: tuple[str, float]) -> str:
+    key, most = missing
+    knob = {"CPU": "workers.cpus", "GPU": "workers.gpus"}.get(key, key)
+    return (f"{knob}={need[key]:g}: no node of the Ray cluster has {need[key]:g} {key} for one engine actor "
+            f"(most on one node: {most:g})")
+
+
+def check_resources(workers: dict, progress=lambda message: None) -> None:
+    """Raises ResourceError when one actor cannot be placed (Ray must be initialised)."""
+    import ray
+
+    need = actor_request(workers)
+    missing = shortfall(need, _alive_nodes(ray))
+    if missing is None:
+        return
+    groups = _node_groups()
+    if not scalable(need, groups):
+        raise ResourceError(describe(workers, need, missing) + "; lower it, or use a cluster that has such nodes")
+    wait = workers["resource_wait_s"]
+    progress(f"waiting up to {wait:g}s for the autoscaler to add a node with {need}")
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[need])
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        time.sleep(min(POLL_S, max(deadline - time.time(), 0.0)))
+        if shortfall(need, _alive_nodes(ray)) is None:
+            return
+    raise ResourceError(describe(workers, need, missing) + f" after waiting workers.resource_wait_s={wait:g}s "
+                        "for the autoscaler")
+
+
+def _alive_nodes(ray) -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def _node_groups() -> list[dict[str, float]]:
+    """Resources per node of each node type the autoscaler may still add; [] without one."""
+    from ray._private.state import state  # the cluster config Ray Data's own autoscaling reads
+
+    try:
+        config = state.get_cluster_config()
+    except Exception:  # noqa: BLE001  (no autoscaler state: a fixed cluster)
+        return []
+    if config is None:
+        return []
+    return [dict(group.resources) for group in config.node_group_configs if group.max_count != 0]

@@ -1,0 +1,42 @@
+"""The unique-id check of input.id_column, at any input size, with no process holding every id.
+
+The input is planned as for the job (Ray tasks), each shard's ids are read by Ray tasks, and
+Ray Data's group-by hash-partitions the ids over the cluster and counts each one; the driver
+only receives the first id counted twice, if any. Cost: one extra read of the id column of the
+whole input and a shuffle of the ids (about the ids' size over the network), once per job:
+`_job.json` records a passed check, so resumes skip it.
+"""
+from __future__ import annotations
+
+from pipeline.planner import planned_dataset
+from pipeline.source import Shard, read_shard
+from pipeline.storage import Storage, with_retries
+
+
+def check_unique_ids(spec: dict, files: list, layout: int) -> None:
+    """Raises JobError naming the first duplicate id found (Ray must be initialised)."""
+    from ray.data.expressions import col
+
+    from pipeline.dataflow import JobError, quiet_ray_data, worker_cause
+
+    quiet_ray_data()
+    column = spec["input"]["id_column"]
+    ds = planned_dataset(spec, files, resume=False, layout=layout)
+    ds = ds.map_batches(shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
+    try:
+        dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)
+    except Exception as exc:  # an unreadable shard: the cause in one line
+        raise JobError(worker_cause(exc)) from exc
+    if dup:
+        raise JobError(f"duplicate id {dup[0]['id']!r} in column {column!r} (ids must be unique)")
+
+
+def shard_ids(batch: dict, spec: dict) -> dict:
+    """Ray Data stage: the id_column values of a batch of shards."""
+    storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
+    column = spec["input"]["id_column"]
+    ids = []
+    for shard in Shard.from_batch(batch):
+        rows, _, _ = with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}")
+        ids += [str(r[column]) for r in rows if r.get(column) is not None]
+    return {"id": ids}

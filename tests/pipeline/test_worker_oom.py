@@ -1,0 +1,68 @@
+"""Out of memory inside a shard is not a job failure: the worker halves the engine's
+max_batch_tokens and retries the shard. The allocation failure is injected by wrapping the
+engine the worker builds (the test hook); the engine is builtin:echo, so no model loads."""
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.spec import load_spec
+from pipeline import worker as worker_module
+from pipeline.report import PartTotals
+from pipeline.source import list_inputs, plan_shards
+from pipeline.storage import Storage
+from pipeline.worker import FatalShardError, ShardWorker
+
+ALLOC_ERROR = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+
+
+def engine_failing_above(budget: int):
+    """An engine factory whose engines fail like torch's host allocator above `budget` tokens."""
+    real = worker_module.build_engine
+
+    def build(config):
+        engine = real(config)
+        if config.max_batch_tokens > budget:
+            def fail(*args, **kwargs):
+                raise RuntimeError(f"{ALLOC_ERROR} {config.max_batch_tokens * 1 << 20} bytes")
+            engine.generate = fail
+        return engine
+
+    return build
+
+
+def shard_batch(tmp_path):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(6)))
+    storage = Storage(str(tmp_path / "in.jsonl"))
+    (shard,) = plan_shards(storage, list_inputs(storage, "auto"), None, 1 << 20)
+    return {**{k: [v] for k, v in shard.to_dict().items()}, "committed": [""]}
+
+
+def make_worker(tmp_path):
+    spec = load_spec(None, ["model=builtin:echo", "engine.max_batch_tokens=8192", "sampling.max_tokens=2"],
+                     input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"))
+    return ShardWorker(spec.model_dump(mode="json"))
+
+
+def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_module, "build_engine", engine_failing_above(2048))
+    batch = shard_batch(tmp_path)
+    worker = make_worker(tmp_path)
+    result = worker(batch)
+    record = json.loads(result["record"][0])
+    assert record["oom_retries"] == 2 and record["oom_budgets"] == [4096, 2048]
+    assert record["max_batch_tokens"] == 2048 and record["rows"] == 6 and record["errors"] == 0
+    table = pq.read_table(record["path"])
+    assert table["id"].to_pylist() == [f"in.jsonl:{i}" for i in range(6)]
+    assert set(table["generated_text"].to_pylist()) == {"xx"}
+    totals = PartTotals()
+    totals.add(record)
+    assert totals.result()["oom"] == {"retries": 2, "shards": 1, "budgets": [2048, 4096]}
+
+
+def test_an_allocation_failure_at_every_budget_fails_the_job_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_module, "build_engine", engine_failing_above(0))
+    batch = shard_batch(tmp_path)
+    with pytest.raises(FatalShardError, match=r"out of memory at engine.max_batch_tokens=512 after 4 halvings"):
+        make_worker(tmp_path)(batch)
+    assert not (tmp_path / "out" / "data").exists()

@@ -69,7 +69,7 @@ def execute(spec: dict, files: list, resume: bool, layout: int, run: dict, index
         num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
         runtime_env={"env_vars": chaos_env} if chaos_env else None,
     )
-    totals = PartTotals()
+    totals, earlier = PartTotals(), 0
     progress.start(None, None)  # the plan streams in: no total yet
     try:
         for row in ds.iter_rows():
@@ -79,7 +79,9 @@ def execute(spec: dict, files: list, resume: bool, layout: int, run: dict, index
             if row["new"]:
                 for k in SUMMARY_FIELDS:
                     run[k] += int(record.get(k, 0))
-                progress.shard_done(run, int(record.get("rows", 0)))
+            else:
+                earlier += 1
+            progress.shard_done(run, int(record.get("rows", 0)) if row["new"] else 0, earlier)
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         raise JobError(worker_cause(exc)) from exc
     finally:

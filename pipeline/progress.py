@@ -26,11 +26,13 @@ class Progress:
         None where the plan is still streaming in (no total, no ETA)."""
         self.shards, self.done, self.started = shards, 0, time.time()
 
-    def shard_done(self, run: dict, planned_rows: int) -> None:
-        """A shard of `planned_rows` rows was committed; `run` holds this run's counts so far."""
+    def shard_done(self, run: dict, planned_rows: int, earlier: int = 0) -> None:
+        """A shard of `planned_rows` rows was committed (by this run, or by an earlier one:
+        `earlier` such shards so far); `run` holds this run's counts so far."""
         self.done += 1
         of = f"/{self.shards}" if self.shards else ""
-        self.write(f"[{self.done}{of} shards] {run['rows']} rows, {run['errors']} errors, "
+        before = f", {earlier} committed earlier" if earlier else ""
+        self.write(f"[{self.done}{of} shards{before}] {run['rows']} rows, {run['errors']} errors, "
                    f"{run['generated_tokens']} tokens, {self.tokens_per_s(run):.1f} tok/s")
 
     def tokens_per_s(self, run: dict) -> float:
@@ -58,11 +60,12 @@ class ProgressBar(Progress):
         from tqdm import tqdm
 
         super().start(shards, rows)
-        self.bar = tqdm(total=rows, unit="row", desc="generating", file=self.stream, dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows "
-                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+        fmt = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+               if rows else "{desc}: {n_fmt} rows [{elapsed}, {rate_fmt}{postfix}]")  # a streamed plan: no total
+        self.bar = tqdm(total=rows or None, unit="row", desc="generating", file=self.stream, dynamic_ncols=True,
+                        bar_format=fmt)
 
-    def shard_done(self, run: dict, planned_rows: int) -> None:
+    def shard_done(self, run: dict, planned_rows: int, earlier: int = 0) -> None:
         self.done += 1
         of = f"/{self.shards}" if self.shards else ""
         self.bar.set_postfix_str(f"{self.tokens_per_s(run):.1f} tok/s, {run['errors']} errors, "

@@ -1,11 +1,27 @@
 """Shared fixtures: tiny random models of several architectures, built locally (no hub)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def environment(**env: str):
+    """Sets environment variables for the block, then restores what was there."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -14,15 +30,8 @@ def _isolated_cache(tmp_path_factory):
     directory used offline, so tests never touch the user's caches or the network. Set before
     Ray starts, so that its workers see the same."""
     path = tmp_path_factory.mktemp("batchinfer-cache")
-    env = {"BATCHINFER_CACHE": str(path), "HF_HUB_CACHE": str(path / "hf-hub"), "HF_HUB_OFFLINE": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield path
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with environment(BATCHINFER_CACHE=str(path), HF_HUB_CACHE=str(path / "hf-hub"), HF_HUB_OFFLINE="1"):
+        yield path
 
 
 @pytest.fixture(scope="session")
@@ -73,17 +82,10 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield endpoint
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with environment(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing-secret",
+                     AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint):
+        yield endpoint
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -96,10 +96,6 @@ class KVCache(Cache):
         self.row_index: torch.Tensor | None = None  # arange(rows), reused by every decode write
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    @property
-    def allocated(self) -> bool:
-        return any(layer.is_initialized for layer in self.layers)
-
     @torch.inference_mode()
     def set_layout(self, rows: int, width: int, keep_rows: int = 0, keep_width: int = 0,
                    device: torch.device | str = "cpu") -> bool:

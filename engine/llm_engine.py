@@ -13,7 +13,7 @@ from engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, pool_capacity
 from engine.scoring import ChoiceScores, score_choices
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -43,8 +43,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.continuous = self.config.scheduling == "continuous"
         width_align = GRAPH_WIDTH_ALIGN if self.runner.graphs is not None else 1
-        capacity = self.config.max_batch_tokens + self.config.max_num_seqs * (width_align - 1)
-        self.cache = KVCache(self.runner.num_layers, capacity)
+        self.cache = KVCache(self.runner.num_layers,
+                             pool_capacity(self.config.max_batch_tokens, self.config.max_num_seqs, width_align))
         """The KV pool: allocated on the first forward pass, reused by every batch and by scoring."""
         self.prefix_cache: PrefixCache | None = None
         if self.config.enable_prefix_caching:

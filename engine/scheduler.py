@@ -20,6 +20,11 @@ def kv_tokens(rows: int, width: int) -> int:
     return rows * width
 
 
+def pool_capacity(max_batch_tokens: int, max_num_seqs: int, width_align: int) -> int:
+    """Token slots the KV pool needs: the budget, plus the slack that width rounding may take."""
+    return max_batch_tokens + max_num_seqs * (width_align - 1)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -67,8 +72,7 @@ class Scheduler:
 
     @property
     def pool_capacity(self) -> int:
-        """Token slots the KV pool needs: the budget, plus the slack that width rounding may take."""
-        return self.max_batch_tokens + self.max_num_seqs * (self.width_align - 1)
+        return pool_capacity(self.max_batch_tokens, self.max_num_seqs, self.width_align)
 
     def add(self, seq: Sequence) -> bool:
         """Queues `seq`, or fails it with a message naming the limit it can never fit. Returns queued?"""

@@ -11,6 +11,9 @@ Targets (issue 11): >= 15,000 generated tok/s; >= 12x transformers padded batche
 >= 70% of decode wall time; continuous >= static.
 
     python scripts/bench_gpu.py [--quick] [--json OUT.json] [--skip-transformers]
+    python scripts/bench_gpu.py --smoke    # the script's own check on CPU: tiny shape, 16 requests
+
+Each system's line is printed as soon as it finishes, so a run cut short still reports.
 """
 from __future__ import annotations
 
@@ -29,48 +32,57 @@ from engine.builtin import byte_tokenizer
 
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=16384, max_position_embeddings=2048)
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048)
+DEVICE = "cuda"
+DTYPE = "bfloat16"  # float32 in --smoke, where exact agreement with transformers is expected
 
 
-def build_model(out: Path) -> Path:
-    """Random 1.2B Llama in bf16, made on the GPU and saved with the byte tokenizer."""
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(out: Path, shape: dict) -> Path:
+    """Random Llama in bf16, made on the device and saved with the byte tokenizer."""
     if (out / "config.json").exists():
         return out
     tok = byte_tokenizer()
-    config = LlamaConfig(**SHAPE, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    config = LlamaConfig(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPE))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
-    torch.cuda.empty_cache()
     return out
 
 
-def workload(n: int, seed: int = 0):
+def workload(n: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(64, 512))] for _ in range(n)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(64, 512))] for _ in range(n)]
     outputs = [rng.randint(32, 256) for _ in range(n)]
     return prompts, outputs
 
 
 def run_engine(model_dir: Path, prompts, outputs, **config) -> tuple[float, list[list[int]], LLMEngine]:
-    llm = LLMEngine(EngineConfig(model=str(model_dir), max_num_seqs=256, max_batch_tokens=196608, **config))
+    llm = LLMEngine(EngineConfig(model=str(model_dir), device=DEVICE, dtype=DTYPE, max_num_seqs=256, max_batch_tokens=196608,
+                                 **config))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:8], params[:8])  # warm-up: pool allocation, first captures, kernels
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start, [o.token_ids for o in outs], llm
 
 
 def run_transformers(model_dir: Path, prompts, outputs, batch_size: int = 64) -> tuple[float, list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     results: dict[int, list[int]] = {}
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for a in range(0, len(order), batch_size):
         idx = order[a:a + batch_size]
@@ -82,14 +94,13 @@ def run_transformers(model_dir: Path, prompts, outputs, batch_size: int = 64) ->
             mask[r, width - len(prompts[i]):] = 1
         new = max(outputs[i] for i in idx)
         with torch.inference_mode():
-            g = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
+            g = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
         for r, i in enumerate(idx):
             results[i] = g[r, width:width + outputs[i]].tolist()
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - start
     del model
-    torch.cuda.empty_cache()
     return seconds, [results[i] for i in range(len(prompts))]
 
 
@@ -99,18 +110,19 @@ def profile_decode(llm: LLMEngine, rows: int = 256, steps: int = 48) -> dict:
 
     rng = random.Random(1)
     for _ in range(rows):
-        llm.add_request([rng.randrange(3, SHAPE["vocab_size"]) for _ in range(64)],
+        llm.add_request([rng.randrange(3, llm.runner.vocab_size) for _ in range(64)],
                         SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
     while llm.scheduler.has_work():
         llm.step()
     for _ in range(3):
         llm.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             llm.step()
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - start
     while llm.has_unfinished():
         llm.step()
@@ -134,42 +146,58 @@ def agreement(a, b) -> str:
 
 
 def main() -> None:
+    global DEVICE, DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="128 requests (a smoke run)")
+    ap.add_argument("--smoke", action="store_true", help="check the script itself on CPU: tiny model, 16 requests")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (rewritten after each system)")
     ap.add_argument("--model-dir", help="where the random model is built (default: a temporary folder)")
     args = ap.parse_args()
-    prompts, outputs = workload(128 if args.quick else 512)
+    shape, n = (SMOKE_SHAPE, 16) if args.smoke else (SHAPE, 128 if args.quick else 512)
+    if args.smoke:
+        DEVICE, DTYPE = "cpu", "float32"
+    prompts, outputs = workload(n, shape["vocab_size"])
     generated = sum(outputs)
+    name = "tiny Llama (smoke)" if args.smoke else "1.2B Llama bf16"
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    print(f"{len(prompts)} requests, {generated} generated tokens, {name}, {where}", flush=True)
+    rows: list[tuple[str, float, list[list[int]]]] = []
+    prof: dict = {}
+
+    def report(label: str, secs: float, toks) -> None:
+        rows.append((label, secs, toks))
+        print(f"  {label}: {secs:.2f} s, {generated / secs:,.0f} generated tok/s", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "generated_tokens": generated, "requests": len(prompts), "device": where, "model": name,
+                "systems": [{"name": n, "seconds": s, "tok_s": generated / s} for n, s, _ in rows],
+                "profile": prof}, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(args.model_dir or tmp) / "llama-1.2b")
-        rows = []
-        t_static, static, llm = run_engine(model_dir, prompts, outputs, scheduling="static")
-        rows.append(("engine static (CUDA graphs)", t_static, static))
-        prof = profile_decode(llm)
+        model_dir = build_model(Path(args.model_dir or tmp) / "llama", shape)
+        t, toks, llm = run_engine(model_dir, prompts, outputs, scheduling="static")
+        prof.update(profile_decode(llm, rows=min(256, n * 16), steps=48))
+        print("  decode profile (engine static):", ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in prof.items()), flush=True)
         del llm
-        t_cont, cont, _ = run_engine(model_dir, prompts, outputs, scheduling="continuous")
-        rows.append(("engine continuous (CUDA graphs)", t_cont, cont))
-        t_eager, eager, _ = run_engine(model_dir, prompts, outputs, scheduling="static", enforce_eager=True)
-        rows.append(("engine static, enforce_eager", t_eager, eager))
+        report("engine static (CUDA graphs)", t, toks)
+        t, toks, _ = run_engine(model_dir, prompts, outputs, scheduling="continuous")
+        report("engine continuous (CUDA graphs)", t, toks)
         if not args.skip_transformers:
-            t_hf, hf = run_transformers(model_dir, prompts, outputs)
-            rows.append(("transformers generate, padded batches of 64, sorted", t_hf, hf))
-    _, t_ref, ref = rows[-1]  # transformers, or the eager engine with --skip-transformers
-    print(f"\n{len(prompts)} requests, {generated} generated tokens, 1.2B Llama bf16, {torch.cuda.get_device_name()}\n")
-    print("| system | seconds | generated tok/s | vs last row | same tokens as last row |")
+            t, toks = run_transformers(model_dir, prompts, outputs)
+            report("transformers generate, padded batches of 64, sorted", t, toks)
+        t, toks, _ = run_engine(model_dir, prompts, outputs, scheduling="static", enforce_eager=True)
+        report("engine static, enforce_eager", t, toks)
+    ref_name, t_ref, ref = rows[2] if not args.skip_transformers else rows[-1]
+    print(f"\n{len(prompts)} requests, {generated} generated tokens, {name}, {where}\n")
+    print(f"| system | seconds | generated tok/s | speed vs {ref_name.split(',')[0]} | same tokens |")
     print("|---|---:|---:|---:|---:|")
-    for name, secs, toks in rows:
-        print(f"| {name} | {secs:.2f} | {generated / secs:,.0f} | {t_ref / secs:.2f}x | {agreement(toks, ref)} |")
+    for label, secs, toks in rows:
+        print(f"| {label} | {secs:.2f} | {generated / secs:,.0f} | {t_ref / secs:.2f}x | {agreement(toks, ref)} |")
     print("\ndecode profile (engine static, 256 rows x 48 steps):")
     for k, v in prof.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "generated_tokens": generated, "requests": len(prompts),
-            "systems": [{"name": n, "seconds": s, "tok_s": generated / s} for n, s, _ in rows],
-            "profile": prof}, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ CPU_PREFILL_TOKENS = 1024
 GRAPH_WIDTH_ALIGN = 128
 """With CUDA graphs, KV layout widths are rounded up to this, so batches of similar widths share
 one layout and its captured graphs (costs at most max_num_seqs x 127 extra pool slots)."""
+GRAPH_MIN_JOIN = 1 / 8
+"""With CUDA graphs, continuous batching refills the batch once 1/8 of its rows are free, not
+row by row: decode steps replay a graph in a few ms, but every prefill is an eager forward pass
+whose host time (tens of ms for a 1B model) does not shrink with its size."""
 
 
 class LLMEngine:
@@ -52,7 +56,8 @@ class LLMEngine:
                                             or self.config.max_batch_tokens // 2)
         self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
                                    self._max_prefill_tokens(), self.continuous, width_align,
-                                   cached_tokens=self._cached_tokens if self.prefix_cache else None)
+                                   cached_tokens=self._cached_tokens if self.prefix_cache else None,
+                                   min_join_fraction=GRAPH_MIN_JOIN if self.runner.graphs is not None else 0.0)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.cache)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)

@@ -77,7 +77,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graph import CudaGraphs
-            self.graphs = CudaGraphs(self)
+            self.graphs = CudaGraphs(self, config.max_num_seqs)
 
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""

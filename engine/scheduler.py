@@ -55,7 +55,7 @@ class Scheduler:
 
     def __init__(self, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int | None = None, continuous: bool = False, width_align: int = 1,
-                 cached_tokens: Callable[[Sequence], int] | None = None):
+                 cached_tokens: Callable[[Sequence], int] | None = None, min_join_fraction: float = 0.0):
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -63,6 +63,9 @@ class Scheduler:
         self.continuous = continuous
         self.width_align = width_align
         """Layout widths are rounded up to this (CUDA graphs are captured per layout: fewer layouts)."""
+        self.min_join_fraction = min_join_fraction
+        """continuous: while rows run, waiting requests join only once at least this share of the
+        batch's rows could join at once (each prefill pass has a fixed cost; fewer, larger ones)."""
         self.cached_tokens = cached_tokens or (lambda seq: 0)
         """Leading prompt tokens of a request that the prefix cache holds (they cost no prefill)."""
         self.waiting: list[Sequence] = []
@@ -157,6 +160,8 @@ class Scheduler:
             if k and kv_tokens(k + 1, prompt) > self.max_prefill_tokens:
                 break
             k, widest, longest_prompt = k + 1, width, prompt
+        if running and k < len(self.waiting) and k < self.min_join_fraction * (running + k):
+            return []  # too few rows free yet: keep decoding
         return self._take(k)
 
     def prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -81,6 +81,18 @@ def test_continuous_admission_waits_for_kv_budget():
     assert [q.index for q in s.admit(running=2, widest=100)] == [3]
 
 
+def test_continuous_refill_waits_for_a_share_of_the_batch_when_asked():
+    s = Scheduler(max_batch_tokens=10_000, max_num_seqs=16, max_model_len=4096, min_join_fraction=0.25)
+    for i in range(21):
+        s.add(seq(i, 10, 10))
+    assert len(s.admit(running=0, widest=0)) == 16  # an empty batch fills at once
+    assert s.admit(running=15, widest=20) == []  # 1 of 16 rows free: below a quarter
+    assert s.admit(running=13, widest=20) == []  # 3 of 16
+    assert len(s.admit(running=12, widest=20)) == 4  # 4 of 16: a quarter joins in one prefill
+    assert len(s.admit(running=15, widest=20)) == 1  # the last waiting request never waits
+    assert not s.has_waiting()
+
+
 def test_prefill_groups_split_under_the_prefill_cap():
     s = Scheduler(max_batch_tokens=10_000, max_num_seqs=64, max_model_len=4096, max_prefill_tokens=100)
     pending = [seq(i, n, 4) for i, n in enumerate([40, 30, 30, 120, 5])]

@@ -70,7 +70,7 @@ def execute(spec: dict, files: list, resume: bool, layout: int, run: dict, index
         runtime_env={"env_vars": chaos_env} if chaos_env else None,
     )
     totals, earlier = PartTotals(), 0
-    progress.start(None, None)  # the plan streams in: no total yet
+    progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
     try:
         for row in ds.iter_rows():
             record = json.loads(row["record"])
@@ -81,7 +81,8 @@ def execute(spec: dict, files: list, resume: bool, layout: int, run: dict, index
                     run[k] += int(record.get(k, 0))
             else:
                 earlier += 1
-            progress.shard_done(run, int(record.get("rows", 0)) if row["new"] else 0, earlier)
+            progress.shard_done(run, int(record.get("rows", 0)) if row["new"] else 0, earlier,
+                                nbytes=int(record.get("bytes", 0)), new=bool(row["new"]))
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         raise JobError(worker_cause(exc)) from exc
     finally:

@@ -87,7 +87,7 @@ def plan_block(batch: pa.Table, spec: dict, resume: bool, layout: int) -> pa.Tab
 def shard_identity(out: OutputDir, shard: Shard) -> dict:
     """The fields of a commit record / index entry that say which shard and part it is."""
     return {"shard": shard.key, "path": out.storage.uri(out.part_path(shard.key)), "file": shard.name,
-            "start": shard.start, "stop": shard.stop}
+            "start": shard.start, "stop": shard.stop, "bytes": shard.byte_stop - shard.byte_start}
 
 
 def _committed(out: OutputDir, shard: Shard) -> str:

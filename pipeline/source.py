@@ -41,9 +41,10 @@ class Shard:
     stop: int
     """One past the last row."""
     byte_start: int = 0
-    """JSONL only: byte offset of line `start`."""
+    """JSONL: byte offset of line `start`. Parquet: the rows' proportional share of the file's
+    bytes (it measures progress; reads go by rows)."""
     byte_stop: int = 0
-    """JSONL only: byte offset just past line `stop - 1`."""
+    """JSONL: byte offset just past line `stop - 1`. Parquet: as byte_start."""
 
     @property
     def key(self) -> str:
@@ -76,29 +77,38 @@ def file_format(path: str, declared: str) -> str | None:
     return None
 
 
-def list_inputs(storage: Storage, declared_format: str) -> list[tuple[str, str, str]]:
-    """(path, name relative to the root, format) of every input file, sorted. Fatal if none."""
+class InputFiles(list):
+    """(path, name relative to the root, format) of every input file, sorted; `total_bytes` is
+    their size in all, from the listing itself (None where the filesystem gave no sizes)."""
+
+    total_bytes: int | None = None
+
+
+def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
+    """Every input file (see InputFiles), hidden ones left out. Fatal if none."""
     fs, root = storage.fs, storage.root
     if any(ch in root for ch in "*?["):
         base = root[: min(root.index(ch) for ch in "*?[" if ch in root)].rsplit("/", 1)[0]
-        paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
+        found = {p: d for p, d in fs.glob(root, detail=True).items() if d.get("type") != "directory"}
     elif fs.isdir(root):
         base = root
-        paths = sorted(fs.find(root))
+        found = fs.find(root, detail=True)
     elif fs.exists(root):
-        base, paths = posixpath.dirname(root), [root]
+        base, found = posixpath.dirname(root), {root: fs.info(root)}
     else:
         raise InputError(f"input not found: {storage.url}")
-    files = []
-    for p in paths:
+    files, sizes = InputFiles(), []
+    for p in sorted(found):
         name = posixpath.relpath(p, base) if base else p
         if any(part.startswith((".", "_")) for part in name.split("/")):
             continue  # hidden files, _SUCCESS markers and the like
         fmt = file_format(p, declared_format)
         if fmt is not None:
             files.append((p, name, fmt))
+            sizes.append(found[p].get("size"))
     if not files:
         raise InputError(f"no input files (.jsonl, .json, .parquet) under {storage.url}")
+    files.total_bytes = sum(sizes) if all(isinstance(n, int) for n in sizes) else None
     return files
 
 
@@ -131,13 +141,15 @@ def _parquet_shards(storage: Storage, path: str, name: str, rows: int | None,
                     shard_bytes: int | None) -> Iterator[Shard]:
     with storage.fs.open(path, "rb") as f:
         meta = pq.ParquetFile(f).metadata
+        size = getattr(f, "size", None) or storage.fs.size(path)
     total = meta.num_rows
     if shard_bytes:
         data = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
         by_bytes = max(1, shard_bytes * total // max(data, 1))
         rows = min(rows, by_bytes) if rows else by_bytes
     for start in range(0, total, rows):
-        yield Shard(path, name, "parquet", start, min(start + rows, total))
+        stop = min(start + rows, total)
+        yield Shard(path, name, "parquet", start, stop, size * start // total, size * stop // total)
 
 
 def _jsonl_shards(storage: Storage, path: str, name: str, rows: int, shard_bytes: int) -> Iterator[Shard]:

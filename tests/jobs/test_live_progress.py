@@ -37,13 +37,15 @@ def run(tmp_path, name):
 def test_terminal_gets_a_bar_and_logs_get_plain_lines(tmp_path, monkeypatch):
     plain = run(tmp_path, "plain").stderr
     assert "[3 shards] 12 rows, 0 errors" in plain and "generating:" not in plain
+    assert "[1 shards] 4 rows" in plain and "% of input, ETA " in plain  # ETA from the listing's bytes
+    assert plain.count(", 100% of input, ETA 0s") == 1
 
     real = click.get_text_stream
     monkeypatch.setattr(click, "get_text_stream", lambda name, *a, **k: _Terminal(real(name, *a, **k)))
     result = run(tmp_path, "tty")
     bar = result.stderr.replace("\r", "\n")
-    # the plan streams in while shards run, so the bar counts rows without a total
-    assert "generating: 12 rows" in bar and "tok/s, 0 errors, 3 shards" in bar
+    # the plan streams in while shards run: the bar counts the input's bytes, from its listing
+    assert "generating: 100%" in bar and "ETA 0s, 12 rows" in bar and "tok/s, 0 errors, 3 shards" in bar
     assert "[1 shards]" not in bar  # the bar replaces the per-shard lines
     assert "1 input files, planned by 1 Ray tasks" in bar  # messages still print above it
     for text in (plain, result.stderr):

@@ -116,3 +116,19 @@ def test_byte_target_shards_align_to_lines_and_keep_the_derived_ids(tmp_path, mo
         assert rows_cap is None or s.stop - s.start <= rows_cap
     assert all(s.byte_stop - s.byte_start >= shard_bytes for s in shards[:-1] if rows_cap is None)
     assert shards[-1].byte_stop == len(raw)
+
+
+def test_listing_sums_input_sizes_and_shards_split_each_file_s_bytes(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
+    pq.write_table(pa.table({"prompt": [f"q{i}" for i in range(90)]}), tmp_path / "b.parquet", row_group_size=20)
+    (tmp_path / "_SUCCESS").write_text("")  # left out of the listing, and of its size
+    storage = Storage(str(tmp_path))
+    files = list_inputs(storage, "auto")
+    sizes = {"a.jsonl": (tmp_path / "a.jsonl").stat().st_size, "b.parquet": (tmp_path / "b.parquet").stat().st_size}
+    assert [n for _, n, _ in files] == ["a.jsonl", "b.parquet"] and files.total_bytes == sum(sizes.values())
+    for cap in (7, 25, None):
+        shards = list(plan_shards(storage, files, cap, 1 << 20))
+        for name, size in sizes.items():  # a file's shards cover its bytes exactly once, in order
+            spans = [(s.byte_start, s.byte_stop) for s in shards if s.name == name]
+            assert spans[0][0] == 0 and spans[-1][1] == size
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)

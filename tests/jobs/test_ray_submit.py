@@ -54,7 +54,7 @@ def cluster(tmp_path_factory, monkeypatch_module):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=5)  # `ray start --block` may linger after SIGTERM: then the group is killed
         except subprocess.TimeoutExpired:
             pass
         os.killpg(head.pid, signal.SIGKILL) if _group_alive(head.pid) else None

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engine import EngineConfig, SamplingParams
+from engine.config import DEFAULT_MODEL
 
 
 class SpecError(ValueError):
@@ -150,7 +151,7 @@ class WorkersSpec(_Section):
 
 
 class JobSpec(_Section):
-    model: str = Field("builtin:tiny", description="Hugging Face model id (org/name, from the hub cache or "
+    model: str = Field(DEFAULT_MODEL, description="Hugging Face model id (org/name, from the hub cache or "
                        "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
                        "gs://...) or builtin:tiny. An existing local path wins over an id of the same shape.")
     task: Literal["generate", "label", "eval"] = Field(

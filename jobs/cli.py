@@ -54,15 +54,12 @@ def run(config, model, input_, output, overrides, overwrite, address):
 
 def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) -> int:
     """Runs a validated spec; prints the summary; returns the exit code."""
-    from pipeline.runner import JobError, run_job
-
+    from pipeline.runner import Job, JobError, run_job
     from pipeline.storage import scrub, secret_values
 
-    data = spec.model_dump(mode="json")
-    data["fingerprint"] = spec.fingerprint()
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(data, overwrite=overwrite, address=address, progress=_progress(secrets))
+        result = run_job(Job.of(spec), overwrite=overwrite, address=address, progress=_progress(secrets))
     except JobError as exc:
         click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
         return EXIT_FAILED
@@ -118,10 +115,8 @@ def validate(config, model, input_, output, overrides):
     from pipeline.runner import JobError, check_model
     from pipeline.source import InputError, list_inputs, plan_shards
     from pipeline.storage import Storage
-    from pipeline.worker import engine_config
 
     spec = _load(config, model, input_, output, overrides)
-    data = spec.model_dump(mode="json")
     try:
         storage = Storage(spec.input.path, spec.input.storage_options)
         files = list_inputs(storage, spec.input.format)
@@ -129,7 +124,7 @@ def validate(config, model, input_, output, overrides):
         for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
             rows += shard.stop - shard.start
             shards += 1
-        check_model(engine_config(data))
+        check_model(spec.engine_config())
     except (JobError, InputError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)

@@ -181,6 +181,10 @@ class JobSpec(_Section):
         check_task(self)
         return self
 
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration for this job: its model and seed, and the engine section."""
+        return EngineConfig(model=self.model, seed=self.seed, **self.engine.model_dump())
+
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written)."""
         data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
@@ -239,7 +243,7 @@ def check_task(spec: JobSpec) -> None:
         if "accuracy" in ev.metrics and not labels:
             raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
                              "label.label_regex")
-    produced = set(output_columns(spec.model_dump(mode="json"))) | {"id"}
+    produced = set(output_columns(spec)) | {"id"}
     for name, column in (("eval.reference_column", ev.reference_column), ("eval.group_column", ev.group_column),
                          ("label.choices_column", label.choices_column)):
         if column in produced and (spec.task == "eval" or name.startswith("label")):

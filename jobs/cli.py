@@ -111,20 +111,20 @@ def summary_table(result) -> str:
 @main.command()
 @_spec_options
 def validate(config, model, input_, output, overrides):
-    """Check a spec, list its inputs, count rows and load the tokenizer; no generation."""
-    from pipeline.runner import JobError, check_model
-    from pipeline.source import InputError, list_inputs, plan_shards
+    """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
+    from pipeline.dataflow import JobError
+    from pipeline.preflight import preflight
+    from pipeline.source import InputError, plan_shards
     from pipeline.storage import Storage
 
     spec = _load(config, model, input_, output, overrides)
     try:
+        files = preflight(spec)
         storage = Storage(spec.input.path, spec.input.storage_options)
-        files = list_inputs(storage, spec.input.format)
         rows = shards = 0
         for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
             rows += shard.stop - shard.start
             shards += 1
-        check_model(spec.engine_config())
     except (JobError, InputError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)

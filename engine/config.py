@@ -6,12 +6,15 @@ from dataclasses import asdict, dataclass, field, fields
 SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+DEFAULT_MODEL = "builtin:tiny"
+"""The model of a config or job spec that names none: embedded, built on first use, no download."""
+
 
 @dataclass
 class EngineConfig:
     """How the engine loads its model and forms batches. Validated on construction."""
 
-    model: str = "builtin:tiny"
+    model: str = DEFAULT_MODEL
     """Hugging Face model directory (local, or s3://, gs://... copied to a local cache), or `builtin:tiny`."""
     revision: str | None = None
     """Hub revision (branch, tag or commit hash) of a Hugging Face model id; None = main. Not used for directories."""

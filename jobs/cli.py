@@ -54,15 +54,12 @@ def run(config, model, input_, output, overrides, overwrite, address):
 
 def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) -> int:
     """Runs a validated spec; prints the summary; returns the exit code."""
-    from pipeline.runner import JobError, run_job
-
+    from pipeline.runner import Job, JobError, run_job
     from pipeline.storage import scrub, secret_values
 
-    data = spec.model_dump(mode="json")
-    data["fingerprint"] = spec.fingerprint()
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(data, overwrite=overwrite, address=address, progress=_progress(secrets))
+        result = run_job(Job.of(spec), overwrite=overwrite, address=address, progress=_progress(secrets))
     except JobError as exc:
         click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
         return EXIT_FAILED
@@ -114,22 +111,20 @@ def summary_table(result) -> str:
 @main.command()
 @_spec_options
 def validate(config, model, input_, output, overrides):
-    """Check a spec, list its inputs, count rows and load the tokenizer; no generation."""
-    from pipeline.runner import JobError, check_model
-    from pipeline.source import InputError, list_inputs, plan_shards
+    """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
+    from pipeline.dataflow import JobError
+    from pipeline.preflight import preflight
+    from pipeline.source import InputError, plan_shards
     from pipeline.storage import Storage
-    from pipeline.worker import engine_config
 
     spec = _load(config, model, input_, output, overrides)
-    data = spec.model_dump(mode="json")
     try:
+        files = preflight(spec)
         storage = Storage(spec.input.path, spec.input.storage_options)
-        files = list_inputs(storage, spec.input.format)
         rows = shards = 0
         for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
             rows += shard.stop - shard.start
             shards += 1
-        check_model(engine_config(data))
     except (JobError, InputError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)

@@ -115,13 +115,13 @@ def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
     return rows[:n], ids[:n]
 
 
-def measure(spec: dict, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
+def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
     """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
     runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
     from engine import SamplingParams
     from pipeline.worker import start_engine
 
-    spec = {**spec, "engine": {**spec["engine"], **setting.__dict__}}
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update=setting.__dict__)})
     llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
     llm.generate(["warm-up"], SamplingParams(max_tokens=2))  # first-call allocations
     runs = []
@@ -245,11 +245,10 @@ def run_tune(spec: JobSpec, rows: int, settings: list[Setting], progress=print) 
     sample, ids = sample_rows(spec, rows)
     if not sample:
         raise ValueError(f"no readable rows in {spec.input.path}")
-    data = spec.model_dump(mode="json")
     results = []
     for i, setting in enumerate(settings, 1):
         progress(f"[{i}/{len(settings)}] {setting.flags()} on {len(sample)} rows")
-        results.append(measure(data, setting, sample, ids))
+        results.append(measure(spec, setting, sample, ids))
         gc.collect()  # the setting's engine, before the next one is measured
     return results
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+from typing import TYPE_CHECKING
 
 from engine.loader import one_line
 from pipeline import chaos
@@ -18,6 +19,9 @@ from pipeline.report import PartTotals
 from pipeline.sink import SUMMARY_FIELDS
 from pipeline.source import InputError
 from pipeline.worker import FatalShardError, ShardWorker
+
+if TYPE_CHECKING:
+    from pipeline.job import Job
 
 FATAL_ERRORS = (FatalShardError, InputError)
 """Exceptions raised in a Ray task or actor whose message is the job's one-line cause."""
@@ -54,19 +58,19 @@ def quiet_ray_data() -> None:
         detectors.high_memory_detector_config.detection_time_interval_s = -1
 
 
-def execute(spec: dict, files: list, resume: bool, layout: int, run: dict, index: IndexWriter,
+def execute(job: Job, files: list, resume: bool, layout: int, run: dict, index: IndexWriter,
             progress) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
     `index` and to the returned totals; the counts of shards committed now are added to `run`."""
     import ray
 
     quiet_ray_data()
-    workers = spec["workers"]
+    workers = job.spec.workers
     chaos_env = chaos.forwarded_env()
-    ds = planned_dataset(spec, files, resume, layout).map_batches(
-        ShardWorker, fn_constructor_kwargs={"spec": spec}, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=workers["num"]),
-        num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None,
+    ds = planned_dataset(job.spec, files, resume, layout).map_batches(
+        ShardWorker, fn_constructor_kwargs={"job": job}, batch_size=1, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=workers.num),
+        num_cpus=workers.cpus, num_gpus=workers.gpus or None,
         runtime_env={"env_vars": chaos_env} if chaos_env else None,
     )
     totals, earlier = PartTotals(), 0

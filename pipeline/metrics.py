@@ -19,9 +19,13 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from pipeline.sink import OutputDir
 
 METRICS = ("exact_match", "contains", "regex_match", "accuracy")
 """Metric names a spec may list under eval.metrics."""
@@ -353,6 +357,15 @@ def compute_metrics(tables: Iterable[pa.Table], metrics: Sequence[str], group_co
     for table in tables:
         acc.add(table)
     return acc.result()
+
+
+def write_metrics(out: OutputDir, parts: Iterable[dict], metrics: Sequence[str], group_column: str | None) -> dict:
+    """metrics.json of a complete job, over its committed parts (index entries). Returns what the
+    manifest says of it: mean, count and ci95 per metric."""
+    # an empty shard's part has no score columns to read
+    result = compute_metrics((out.read_part(p["shard"]) for p in parts if p["rows"]), metrics, group_column)
+    out.write_json("metrics.json", result)
+    return {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}
 
 
 def _sum(col: pa.ChunkedArray) -> float:

@@ -18,12 +18,18 @@ A field set to null counts as absent, as in the OpenAI API. Values follow the Op
 with two engine limits on top: top_p must be > 0 and seed must be >= 0.
 
 Output lines (`response_line`, `error_line`) have OpenAI's shape; their ids are derived from the
-custom_id, so a rerun writes the same bytes.
+custom_id, so a rerun writes the same bytes. When the job is complete, `write_batch_files` gathers
+the committed lines into output.jsonl and errors.jsonl.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.sink import OutputDir
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -367,3 +373,19 @@ def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
         offset += len(t.token)
     return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
             "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
+
+
+def write_batch_files(out: OutputDir, parts: Iterable[dict]) -> dict:
+    """output.jsonl (every line, in input order) and errors.jsonl (the failed ones) of a complete
+    job, from its committed parts (index entries). Returns what the manifest says of them."""
+    keys = [p["shard"] for p in sorted(parts, key=lambda p: (p["file"], p["start"]))]
+    everything, failed = [], []
+    for line, obj in out.iter_lines(keys):
+        everything.append(line)
+        if obj["error"] is not None:
+            failed.append(line)
+    for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
+        out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
+    return {"output_file": "output.jsonl", "error_file": "errors.jsonl",
+            "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
+                               "failed": len(failed)}}

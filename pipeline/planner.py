@@ -13,12 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from pipeline.sink import PLAN_DIR, OutputDir
 from pipeline.source import Shard, plan_file
 from pipeline.storage import Storage, with_retries
+
+if TYPE_CHECKING:
+    from pipeline.spec import JobSpec
 
 FILES_PER_PLAN_TASK = 8
 """Files one planning task takes (more once MAX_PLAN_BLOCKS is reached): fewer, longer tasks
@@ -43,15 +47,15 @@ def plan_blocks(num_files: int) -> int:
     return max(1, min(-(-num_files // FILES_PER_PLAN_TASK), MAX_PLAN_BLOCKS))
 
 
-def shard_limits(spec: dict, layout: int) -> tuple[int | None, int | None]:
+def shard_limits(spec: JobSpec, layout: int) -> tuple[int | None, int | None]:
     """(rows, bytes) that end a shard. Layout 1 is planned as it was, so its shard keys match."""
-    workers = spec["workers"]
+    workers = spec.workers
     if layout == 1:
-        return workers["rows_per_batch"] or LEGACY_ROWS_PER_SHARD, None
-    return workers["rows_per_batch"], workers["shard_bytes"]
+        return workers.rows_per_batch or LEGACY_ROWS_PER_SHARD, None
+    return workers.rows_per_batch, workers.shard_bytes
 
 
-def planned_dataset(spec: dict, files: list[tuple[str, str, str]], resume: bool, layout: int):
+def planned_dataset(spec: JobSpec, files: list[tuple[str, str, str]], resume: bool, layout: int):
     """A Ray Dataset of shard rows (SHARD_SCHEMA), planned by Ray tasks as it is consumed."""
     import ray
 
@@ -68,10 +72,10 @@ def planned_dataset(spec: dict, files: list[tuple[str, str, str]], resume: bool,
                           concurrency=max(1, min(blocks, int(ray.cluster_resources().get("CPU", 1)))))
 
 
-def plan_block(batch: pa.Table, spec: dict, resume: bool, layout: int) -> pa.Table:
+def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, layout: int) -> pa.Table:
     """Ray Data stage: the shards of a block of input files, committed ones marked."""
-    storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
-    out = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]), spec["output"]["format"])
+    storage = Storage(spec.input.path, spec.input.storage_options)
+    out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     rows, nbytes = shard_limits(spec, layout)
     started = time.perf_counter()
     names = batch.column("name").to_pylist()

@@ -19,7 +19,7 @@ from typing import Callable
 import pyarrow as pa
 
 from pipeline.prompts import PromptBuilder
-from pipeline.spec import SpecError, validate
+from pipeline.spec import JobSpec, SpecError, validate
 from pipeline.worker import EngineActor, output_table, start_engine
 
 SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed")
@@ -37,7 +37,7 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     if unknown:
         raise SpecError(f"{unknown[0]}: not a processor setting (a processor takes {', '.join(SECTIONS)}; "
                         "the Dataset is its input and its result)")
-    spec = validate({**config, "input": {"path": "-"}, "output": {"path": "-"}}).model_dump(mode="json")
+    spec = validate({**config, "input": {"path": "-"}, "output": {"path": "-"}})
     return Processor(spec, preprocess, postprocess)
 
 
@@ -45,7 +45,7 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
 class Processor:
     """preprocess -> generate (one engine per actor, `workers.num` actors) -> postprocess."""
 
-    spec: dict
+    spec: JobSpec
     """The validated spec (input and output placeholders included, as the workers expect)."""
     preprocess: Callable[[dict], dict] | None = None
     """Row -> row with `prompt` or `messages`."""
@@ -55,12 +55,12 @@ class Processor:
     def __call__(self, ds):
         import ray
 
-        workers = self.spec["workers"]
+        workers = self.spec.workers
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         ds = ds.map_batches(RowWorker, fn_constructor_kwargs={"spec": self.spec}, batch_format="pyarrow",
-                            batch_size=workers["rows_per_batch"], compute=ray.data.ActorPoolStrategy(size=workers["num"]),
-                            num_cpus=workers["cpus"], num_gpus=workers["gpus"] or None)
+                            batch_size=workers.rows_per_batch, compute=ray.data.ActorPoolStrategy(size=workers.num),
+                            num_cpus=workers.cpus, num_gpus=workers.gpus or None)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds
@@ -69,7 +69,7 @@ class Processor:
 class RowWorker(EngineActor):
     """Ray Data actor: a batch of preprocessed rows in, the same rows with the task's columns out."""
 
-    def _setup(self, spec: dict) -> None:
+    def _setup(self, spec: JobSpec) -> None:
         self.spec = spec
         self.engine, self.tasks = start_engine(spec, RowPrompts())
 

@@ -10,8 +10,12 @@ fields are refused when the template is parsed, so a template cannot reach Pytho
 from __future__ import annotations
 
 import string
+from typing import TYPE_CHECKING
 
 from pipeline.openai_batch import parse_messages
+
+if TYPE_CHECKING:
+    from pipeline.spec import InputSpec
 
 
 class TemplateError(ValueError):
@@ -36,9 +40,9 @@ class PromptBuilder:
                               {"role": "assistant", "content": shot["assistant"]}]
 
     @classmethod
-    def from_spec(cls, input_spec: dict) -> "PromptBuilder":
-        return cls(input_spec["prompt_column"], input_spec["template"], input_spec.get("messages_column"),
-                   input_spec.get("system_prompt"), input_spec.get("few_shot") or ())
+    def from_spec(cls, input_spec: InputSpec) -> PromptBuilder:
+        return cls(input_spec.prompt_column, input_spec.template, input_spec.messages_column,
+                   input_spec.system_prompt, [shot.model_dump() for shot in input_spec.few_shot])
 
     @property
     def chat(self) -> bool:

@@ -7,19 +7,22 @@ from __future__ import annotations
 import json
 import posixpath
 import time
+from typing import TYPE_CHECKING
 
 from pipeline.sink import PLAN_DIR, SUMMARY_FIELDS, OutputDir
 
+if TYPE_CHECKING:
+    from pipeline.spec import WorkersSpec
 
-def new_run(spec: dict, run_id: str) -> dict:
-    """The record of one run of a job (written under _runs/ while it goes, for accounting)."""
+
+def new_run(workers: WorkersSpec, run_id: str) -> dict:
+    """The record of one run of a job with these workers (written under _runs/ while it goes, for accounting)."""
     import os
 
-    workers = spec["workers"]
-    per_actor = workers["gpus"] or max(1, (os.cpu_count() or 1) // workers["num"])
+    per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
     return {"run_id": run_id, "started": time.time(), "last_seen": time.time(), "finished": None,
             "status": "running", "generate_started": None, "generate_seconds": 0.0,
-            "workers": workers["num"], "resource": "gpu" if workers["gpus"] else "cpu_core",
+            "workers": workers.num, "resource": "gpu" if workers.gpus else "cpu_core",
             "resource_per_actor": per_actor, **{k: 0 for k in SUMMARY_FIELDS}}
 
 

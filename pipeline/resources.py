@@ -9,6 +9,10 @@ forever"), which is the worst outcome for a cron job.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.spec import WorkersSpec
 
 POLL_S = 5.0
 
@@ -17,11 +21,11 @@ class ResourceError(RuntimeError):
     """The actors cannot be placed; the message names the resource, in one line."""
 
 
-def actor_request(workers: dict) -> dict[str, float]:
+def actor_request(workers: WorkersSpec) -> dict[str, float]:
     """The resources one engine actor asks Ray for."""
-    need = {"CPU": float(workers["cpus"])}
-    if workers["gpus"]:
-        need["GPU"] = float(workers["gpus"])
+    need = {"CPU": float(workers.cpus)}
+    if workers.gpus:
+        need["GPU"] = float(workers.gpus)
     return need
 
 
@@ -42,14 +46,14 @@ def scalable(need: dict[str, float], node_groups: list[dict[str, float]]) -> boo
     return any(all(group.get(k, 0.0) >= v for k, v in need.items()) for group in node_groups)
 
 
-def describe(workers: dict, need: dict, missing: tuple[str, float]) -> str:
+def describe(need: dict, missing: tuple[str, float]) -> str:
     key, most = missing
     knob = {"CPU": "workers.cpus", "GPU": "workers.gpus"}.get(key, key)
     return (f"{knob}={need[key]:g}: no node of the Ray cluster has {need[key]:g} {key} for one engine actor "
             f"(most on one node: {most:g})")
 
 
-def check_resources(workers: dict, progress=lambda message: None) -> None:
+def check_resources(workers: WorkersSpec, progress=lambda message: None) -> None:
     """Raises ResourceError when one actor cannot be placed (Ray must be initialised)."""
     import ray
 
@@ -59,8 +63,8 @@ def check_resources(workers: dict, progress=lambda message: None) -> None:
         return
     groups = _node_groups()
     if not scalable(need, groups):
-        raise ResourceError(describe(workers, need, missing) + "; lower it, or use a cluster that has such nodes")
-    wait = workers["resource_wait_s"]
+        raise ResourceError(describe(need, missing) + "; lower it, or use a cluster that has such nodes")
+    wait = workers.resource_wait_s
     progress(f"waiting up to {wait:g}s for the autoscaler to add a node with {need}")
     from ray.autoscaler.sdk import request_resources
 
@@ -70,7 +74,7 @@ def check_resources(workers: dict, progress=lambda message: None) -> None:
         time.sleep(min(POLL_S, max(deadline - time.time(), 0.0)))
         if shortfall(need, _alive_nodes(ray)) is None:
             return
-    raise ResourceError(describe(workers, need, missing) + f" after waiting workers.resource_wait_s={wait:g}s "
+    raise ResourceError(describe(need, missing) + f" after waiting workers.resource_wait_s={wait:g}s "
                         "for the autoscaler")
 
 

@@ -1,4 +1,4 @@
-"""The job driver: checks, plans, runs the Ray Data pipeline, writes the manifest.
+"""The job driver: checks, claims the output, runs the Ray Data pipeline, writes the manifest.
 
 read (plan shards) -> prepare + generate + write (ShardWorker actors, one shard at a time)
 -> manifest.json and _SUCCESS once every shard's part is committed.
@@ -11,34 +11,29 @@ row range), never one per row.
 from __future__ import annotations
 
 import logging
-import platform
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from engine import __version__
-from engine.config import EngineConfig
-from engine.echo import ECHO_MODEL, EchoEngine
-from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
+from engine.loader import one_line
 from pipeline import chaos
 from pipeline.dataflow import JobError, ensure_ray, execute
-from pipeline.index import LAYOUT, IndexWriter, entries
+from pipeline.index import IndexWriter
+from pipeline.job import Job
 from pipeline.lock import LockHeld, RunLock
-from pipeline.metrics import MetricsAccumulator
+from pipeline.manifest import build_manifest, final_files
 from pipeline.planner import plan_blocks
+from pipeline.preflight import check_model, preflight
 from pipeline.progress import as_progress
-from pipeline.prompts import PromptBuilder, TemplateError
+from pipeline.report import PartTotals, new_run, plan_summary, touch_run, write_run
 from pipeline.resources import ResourceError, check_resources
-from pipeline.report import PartTotals, new_run, plan_summary, read_runs, touch_run, usage, write_run
-from pipeline.sink import PLAN_DIR, SUMMARY_FIELDS, OutputDir
-from pipeline.source import InputError, list_inputs, read_schema_columns
+from pipeline.sink import PLAN_DIR, OutputDir
 from pipeline.storage import Storage, redact
 from pipeline.unique_ids import check_unique_ids
-from pipeline.worker import engine_config
 
 log = logging.getLogger("batchinfer")
 
-__all__ = ["JobError", "JobResult", "OutputConflict", "run_job", "preflight", "check_model", "ensure_ray"]
+__all__ = ["Job", "JobError", "JobResult", "OutputConflict", "run_job", "preflight", "check_model", "ensure_ray"]
 
 
 class OutputConflict(JobError):
@@ -66,36 +61,39 @@ class JobResult:
     manifest: dict = field(default_factory=dict)
 
 
-def run_job(spec: dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
-    """Runs (or resumes) the job described by a validated spec dict (JobSpec.model_dump()).
-    `progress`: a pipeline.progress.Progress, or a `message -> None` callable (plain lines)."""
+def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
+    """Runs (or resumes) a job: a `Job`, or a validated spec dict (JobSpec.model_dump() with its
+    "fingerprint"). `progress`: a pipeline.progress.Progress, or a `message -> None` callable (plain lines)."""
+    if isinstance(job, dict):
+        job = Job.from_dict(job)
+    spec = job.spec
     progress = as_progress(progress)
-    out = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]), spec["output"]["format"])
+    out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     files = preflight(spec)
-    run = new_run(spec, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
-    lock = RunLock(out.storage, stale_after_s=spec["output"]["lock_stale_after_s"],
+    run = new_run(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,
                    on_heartbeat=lambda: write_run(out, run))
     try:
         lock.acquire()
     except LockHeld as exc:
         raise JobError(str(exc)) from None
     except OSError as exc:
-        raise JobError(f"cannot write to output {spec['output']['path']}: {one_line(exc)}") from None
+        raise JobError(f"cannot write to output {spec.output.path}: {one_line(exc)}") from None
     try:
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
-        return _run_locked(spec, out, files, run, overwrite, address, progress)
+        return _run_locked(job, out, files, run, overwrite, address, progress)
     finally:
         lock.release()
 
 
-def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address, progress) -> JobResult:
-    record = _claim_output(out, spec, spec["fingerprint"], overwrite)
+def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, address, progress) -> JobResult:
+    record = _claim_output(out, job, overwrite)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     ensure_ray(address)
     try:
-        check_resources(spec["workers"], progress)
+        check_resources(job.spec.workers, progress)
     except ResourceError as exc:
         raise JobError(str(exc)) from None
     removed = out.storage.remove_temporaries(out.storage.path("data"))
@@ -108,9 +106,9 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))
     layout = 2 if record.get("shard_plan") == "bytes" else 1
-    if spec["input"]["id_column"] and not record.get("ids_unique"):
+    if job.spec.input.id_column and not record.get("ids_unique"):
         progress("checking that id_column values are unique")
-        check_unique_ids(spec, files, layout)
+        check_unique_ids(job.spec, files, layout)
         record["ids_unique"] = True
         out.write_json("_job.json", record)
     index = IndexWriter(out, run["run_id"])
@@ -118,7 +116,7 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
         created = int(record.get("created") or time.time())
-        totals = execute({**spec, "created": created}, files, resume, layout, run, index, progress)
+        totals = execute(replace(job, created=created), files, resume, layout, run, index, progress)
     except BaseException:
         run["status"], run["finished"] = "failed", time.time()
         write_run(out, run)
@@ -132,13 +130,13 @@ def _run_locked(spec, out: OutputDir, files, run: dict, overwrite: bool, address
     run["status"], run["finished"] = "done", time.time()
     write_run(out, run)
     chaos.point("generated")
-    return _complete(spec, out, record, run, index, totals)
+    return _complete(job, out, record, run, index, totals)
 
 
-def _complete(spec, out: OutputDir, record: dict, run: dict, index: IndexWriter, totals: PartTotals) -> JobResult:
-    finals = _final_files(spec, out, index.pointer())
-    manifest = _manifest(spec, out, index, totals, record, run) | finals
-    if manifest["rows"] and manifest["errors"] / manifest["rows"] > spec["max_error_rate"]:
+def _complete(job: Job, out: OutputDir, record: dict, run: dict, index: IndexWriter, totals: PartTotals) -> JobResult:
+    finals = final_files(job.spec, out, index.pointer())
+    manifest = build_manifest(job, out, index, totals, record, run) | finals
+    if manifest["rows"] and manifest["errors"] / manifest["rows"] > job.spec.max_error_rate:
         manifest["status"] = "error_rate_exceeded"
     out.write_json("manifest.json", manifest)
     index.remove_others()
@@ -157,159 +155,35 @@ def _start_plan(out: OutputDir, record: dict, num_files: int) -> None:
         out.write_json("_job.json", record)
 
 
-# -- checks before any actor starts -------------------------------------------------------------
-
-def preflight(spec: dict) -> list[tuple[str, str, str]]:
-    """Fails fast, with one line, on problems that would doom every actor. Returns the input files."""
-    try:
-        storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
-        files = list_inputs(storage, spec["input"]["format"])
-        builder = PromptBuilder.from_spec(spec["input"])
-        path, name, fmt = files[0]
-        columns = read_schema_columns(storage, path, fmt)
-    except (InputError, TemplateError) as exc:
-        raise JobError(str(exc)) from None
-    except (OSError, ValueError, ImportError) as exc:
-        raise JobError(f"cannot read input {spec['input']['path']}: {one_line(exc)}") from None
-    needed = input_columns(spec, builder)
-    absent = [c for c in needed if c not in columns]
-    if columns and absent:
-        raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
-    tokenizer = check_model(engine_config(spec))
-    if builder.chat and not getattr(tokenizer, "chat_template", None):
-        raise JobError(f"model {spec['model']}: its tokenizer has no chat template, so input.messages_column, "
-                       "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
-    return files
-
-
-def input_columns(spec: dict, builder: PromptBuilder) -> list[str]:
-    """Input columns every row needs: the prompt's, the id's, and the task's."""
-    inp = spec["input"]
-    if inp["format"] == "openai_batch":
-        return ["custom_id", "body"]
-    needed = builder.columns + ([inp["id_column"]] if inp["id_column"] else [])
-    if spec["task"] in ("label", "eval") and spec["label"]["choices_column"]:
-        needed.append(spec["label"]["choices_column"])
-    if spec["task"] == "eval":
-        needed += [c for c in (spec["eval"]["reference_column"], spec["eval"]["group_column"]) if c]
-    return needed
-
-
-def check_model(config: EngineConfig):
-    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
-    loads its tokenizer (no weights). Returns the tokenizer."""
-    if config.model == ECHO_MODEL:
-        return EchoEngine(config).tokenizer.hf
-    try:
-        return load_tokenizer(config, check_model_files(config))
-    except (ModelLoadError, ValueError) as exc:
-        message = str(exc)  # Hub errors name the id already
-        raise JobError(message if config.model in message else f"model {config.model}: {message}") from None
-
-
-def _claim_output(out: OutputDir, spec: dict, fingerprint: str, overwrite: bool) -> dict:
+def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
+    """The output's _job.json record: this job's (written now on a fresh output), or an error
+    when the output holds another job's."""
     try:
         if overwrite:
             out.clear()
         record = out.read_json("_job.json")
-        if record is not None and record.get("fingerprint") != fingerprint:
-            raise OutputConflict(_conflict(spec, record, fingerprint))
+        if record is not None and record.get("fingerprint") != job.fingerprint:
+            raise OutputConflict(_conflict(job, record))
         if record is None:
-            record = {"fingerprint": fingerprint, "created": time.time(), "shard_plan": "bytes",
+            spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
+            record = {"fingerprint": job.fingerprint, "created": time.time(), "shard_plan": "bytes",
                       "spec": redact(spec)}
             out.write_json("_job.json", record)
         return record
     except OutputConflict:
         raise
     except (OSError, PermissionError, ValueError) as exc:
-        raise JobError(f"cannot write to output {spec['output']['path']}: {one_line(exc)}") from None
+        raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
 
 
-def _conflict(spec: dict, record: dict, fingerprint: str) -> str:
-    where = spec["output"]["path"]
-    if "shard_plan" not in record and spec["workers"]["rows_per_batch"] is None:
+def _conflict(job: Job, record: dict) -> str:
+    where = job.spec.output.path
+    if "shard_plan" not in record and job.spec.workers.rows_per_batch is None:
         # an output of batchinfer before shard_bytes, whose shards held rows_per_batch rows (default 256)
         return (f"{where} was started by an earlier batchinfer that cut shards every workers.rows_per_batch rows "
                 f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
     return (f"{where} holds the output of a different job spec (fingerprint {record.get('fingerprint')} != "
-            f"{fingerprint}); use --overwrite to replace it")
-
-
-# -- manifest -----------------------------------------------------------------------------------
-
-def _final_files(spec: dict, out: OutputDir, index: dict) -> dict:
-    """Files computed from the committed parts (so a resumed job writes what an uninterrupted
-    one would): metrics.json for task eval; output.jsonl and errors.jsonl for openai_batch.
-    Returns what the manifest says about them."""
-    extra = {}
-    if spec["task"] == "eval":
-        acc = MetricsAccumulator(spec["eval"]["metrics"], spec["eval"]["group_column"])
-        for entry in entries(out, {"index": index}):
-            if entry["rows"]:  # an empty shard's part has no score columns to read
-                acc.add(out.read_part(entry["shard"]))
-        result = acc.result()
-        out.write_json("metrics.json", result)
-        extra["metrics"] = {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}
-    if out.format == "openai_batch":
-        extra["openai_batch"] = _openai_files(out, index)
-    return extra
-
-
-def _openai_files(out: OutputDir, index: dict) -> dict:
-    """output.jsonl (every line, in input order) and errors.jsonl (the failed ones)."""
-    keys = [e["shard"] for e in sorted(entries(out, {"index": index}), key=lambda e: (e["file"], e["start"]))]
-    everything, failed = [], []
-    for line, obj in out.iter_lines(keys):
-        everything.append(line)
-        if obj["error"] is not None:
-            failed.append(line)
-    for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
-        out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
-    return {"output_file": "output.jsonl", "error_file": "errors.jsonl",
-            "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
-                               "failed": len(failed)}}
-
-
-def _manifest(spec, out: OutputDir, index: IndexWriter, totals: PartTotals, record, run) -> dict:
-    """Counts, usage and pointers; the parts are listed in the index it points to."""
-    data = totals.result()
-    return {
-        "batchinfer_version": __version__,
-        "layout": LAYOUT,
-        "status": "complete",
-        "spec": redact({k: v for k, v in spec.items() if k != "fingerprint"}),
-        "fingerprint": spec["fingerprint"],
-        "model": spec["model"],
-        "format": out.format,
-        "versions": _versions(),
-        **data,
-        "prefix_cache_hit_rate": data["cached_prompt_tokens"] / data["prompt_tokens"] if data["prompt_tokens"] else 0.0,
-        "usage": usage(read_runs(out), data["generated_tokens"], spec["report"]["price_per_hour"]),
-        "index": index.pointer(),
-        "planning": run.get("planning"),
-        "created": record.get("created"),
-        "finished": time.time(),
-        "this_run": {k: run[k] for k in (*SUMMARY_FIELDS, "run_id", "generate_seconds")}
-        | {"wall_seconds": run["finished"] - run["started"],
-           "generated_tokens_per_second": run["generated_tokens"] / run["generate_seconds"]
-           if run["generate_seconds"] else 0.0},
-    }
-
-
-def _versions() -> dict:
-    import pyarrow
-    import torch
-    import transformers
-
-    versions = {"python": platform.python_version(), "batchinfer": __version__, "torch": torch.__version__,
-                "transformers": transformers.__version__, "pyarrow": pyarrow.__version__}
-    try:
-        import ray
-
-        versions["ray"] = ray.__version__
-    except ImportError:
-        pass
-    return versions
+            f"{job.fingerprint}); use --overwrite to replace it")
 
 
 def _result(status, out: OutputDir, manifest: dict, run: dict) -> JobResult:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engine import EngineConfig, SamplingParams
+from engine.config import DEFAULT_MODEL
 
 
 class SpecError(ValueError):
@@ -150,7 +151,7 @@ class WorkersSpec(_Section):
 
 
 class JobSpec(_Section):
-    model: str = Field("builtin:tiny", description="Hugging Face model id (org/name, from the hub cache or "
+    model: str = Field(DEFAULT_MODEL, description="Hugging Face model id (org/name, from the hub cache or "
                        "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
                        "gs://...) or builtin:tiny. An existing local path wins over an id of the same shape.")
     task: Literal["generate", "label", "eval"] = Field(
@@ -179,6 +180,10 @@ class JobSpec(_Section):
     def _task_checks(self):
         check_task(self)
         return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration for this job: its model and seed, and the engine section."""
+        return EngineConfig(model=self.model, seed=self.seed, **self.engine.model_dump())
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written)."""
@@ -238,7 +243,7 @@ def check_task(spec: JobSpec) -> None:
         if "accuracy" in ev.metrics and not labels:
             raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
                              "label.label_regex")
-    produced = set(output_columns(spec.model_dump(mode="json"))) | {"id"}
+    produced = set(output_columns(spec)) | {"id"}
     for name, column in (("eval.reference_column", ev.reference_column), ("eval.group_column", ev.group_column),
                          ("label.choices_column", label.choices_column)):
         if column in produced and (spec.task == "eval" or name.startswith("label")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -21,6 +22,9 @@ from engine import LLMEngine, SamplingParams
 from pipeline import metrics as M
 from pipeline.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request, unknown_fields_error
 from pipeline.prompts import PromptBuilder
+
+if TYPE_CHECKING:
+    from pipeline.spec import JobSpec
 
 BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
 LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_token")
@@ -39,17 +43,17 @@ def column_type(name: str) -> pa.DataType | None:
     return COLUMN_TYPES.get(name)
 
 
-def output_columns(spec: dict) -> list[str]:
+def output_columns(spec: JobSpec) -> list[str]:
     """Columns this stage adds for `spec`'s task (an input column of the same name is replaced)."""
     names = list(BASE_COLUMNS)
-    label = spec["label"]
-    if spec["task"] in ("label", "eval"):
-        if label["choices"] or label["choices_column"]:
+    label = spec.label
+    if spec.task in ("label", "eval"):
+        if label.choices or label.choices_column:
             names += LABEL_COLUMNS
-        elif label["label_regex"]:
+        elif label.label_regex:
             names.append("label")
-    if spec["task"] == "eval":
-        names += [M.score_column(m) for m in spec["eval"]["metrics"]]
+    if spec.task == "eval":
+        names += [M.score_column(m) for m in spec.eval.metrics]
     return names
 
 
@@ -61,23 +65,23 @@ def row_seed(base: int, row_id: str) -> int:
 class TaskRunner:
     """Turns rows into output records (the BASE_COLUMNS plus the task's own columns)."""
 
-    def __init__(self, spec: dict, engine: LLMEngine, prompts: PromptBuilder | None = None):
+    def __init__(self, spec: JobSpec, engine: LLMEngine, prompts: PromptBuilder | None = None):
         """`prompts` builds each row's prompt; default: from the spec's input section."""
         self.spec = spec
         self.engine = engine
-        self.task = spec["task"]
-        self.openai_input = spec["input"]["format"] == "openai_batch"
-        self.prompts = None if self.openai_input else prompts or PromptBuilder.from_spec(spec["input"])
-        sampling = dict(spec["sampling"])
+        self.task = spec.task
+        self.openai_input = spec.input.format == "openai_batch"
+        self.prompts = None if self.openai_input else prompts or PromptBuilder.from_spec(spec.input)
+        sampling = spec.sampling.model_dump()
         seed = sampling.pop("seed")
-        self.base_seed = spec["seed"] if seed is None else seed
+        self.base_seed = spec.seed if seed is None else seed
         self.sampling = sampling
-        label = spec["label"]
+        label = spec.label
         labeling = self.task in ("label", "eval")
-        self.choices = label["choices"] if labeling else None
-        self.choices_column = label["choices_column"] if labeling else None
+        self.choices = label.choices if labeling else None
+        self.choices_column = label.choices_column if labeling else None
         self.scoring = bool(self.choices or self.choices_column)
-        self.label_regex = re.compile(label["label_regex"]) if labeling and label["label_regex"] else None
+        self.label_regex = re.compile(label.label_regex) if labeling and label.label_regex else None
         self.labels = self.scoring or self.label_regex is not None
 
     # -- rows -> records ------------------------------------------------------------------------
@@ -153,7 +157,7 @@ class TaskRunner:
             run_prompts.append(prompt)
             run_choices.append([prefix + c for c in choices])
         scores = self.engine.score_choices(run_prompts, run_choices) if run else []
-        normalize = self.spec["label"]["length_normalize"]
+        normalize = self.spec.label.length_normalize
         for (i, choices), sc in zip(run, scores):
             if sc.error:
                 errors[i] = sc.error
@@ -167,7 +171,7 @@ class TaskRunner:
                           "label_logprobs": sc.logprobs, "label_logprobs_per_token": per_token}
 
     def _choice_prefix(self, prompt) -> str:
-        prefix = self.spec["label"]["choice_prefix"]
+        prefix = self.spec.label.choice_prefix
         if prefix is not None:
             return prefix
         # a plain prompt continues with a space ("Sentiment:" + " positive"); a chat prompt ends
@@ -185,19 +189,20 @@ class TaskRunner:
     # -- eval -----------------------------------------------------------------------------------
 
     def _add_scores(self, rows, records) -> None:
-        ev = self.spec["eval"]
-        refs = [row.get(ev["reference_column"]) for row in rows]
+        ev = self.spec.eval
+        normalize = ev.normalize.model_dump()
+        refs = [row.get(ev.reference_column) for row in rows]
         failed = [r["finish_reason"] == "error" for r in records]
-        text_metrics = [m for m in ev["metrics"] if m != "accuracy"]
+        text_metrics = [m for m in ev.metrics if m != "accuracy"]
         columns = {}
         if text_metrics:
             preds = [None if bad else r["generated_text"] for r, bad in zip(records, failed)]
-            columns.update(M.score_columns(preds, refs, text_metrics, normalize_opts=ev["normalize"],
-                                           answer_regex=ev["answer_regex"]))
-        if "accuracy" in ev["metrics"]:
+            columns.update(M.score_columns(preds, refs, text_metrics, normalize_opts=normalize,
+                                           answer_regex=ev.answer_regex))
+        if "accuracy" in ev.metrics:
             # a generated label that did not parse counts as wrong, not as missing
             preds = [None if bad else (r.get("label") or "") for r, bad in zip(records, failed)]
-            columns.update(M.score_columns(preds, refs, ["accuracy"], normalize_opts=ev["normalize"]))
+            columns.update(M.score_columns(preds, refs, ["accuracy"], normalize_opts=normalize))
         for name, values in columns.items():
             for rec, value in zip(records, values):
                 rec[name] = value

@@ -8,19 +8,24 @@ whole input and a shuffle of the ids (about the ids' size over the network), onc
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pipeline.planner import planned_dataset
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
 
+if TYPE_CHECKING:
+    from pipeline.spec import JobSpec
 
-def check_unique_ids(spec: dict, files: list, layout: int) -> None:
+
+def check_unique_ids(spec: JobSpec, files: list, layout: int) -> None:
     """Raises JobError naming the first duplicate id found (Ray must be initialised)."""
     from ray.data.expressions import col
 
     from pipeline.dataflow import JobError, quiet_ray_data, worker_cause
 
     quiet_ray_data()
-    column = spec["input"]["id_column"]
+    column = spec.input.id_column
     ds = planned_dataset(spec, files, resume=False, layout=layout)
     ds = ds.map_batches(shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     try:
@@ -31,10 +36,10 @@ def check_unique_ids(spec: dict, files: list, layout: int) -> None:
         raise JobError(f"duplicate id {dup[0]['id']!r} in column {column!r} (ids must be unique)")
 
 
-def shard_ids(batch: dict, spec: dict) -> dict:
+def shard_ids(batch: dict, spec: JobSpec) -> dict:
     """Ray Data stage: the id_column values of a batch of shards."""
-    storage = Storage(spec["input"]["path"], spec["input"]["storage_options"])
-    column = spec["input"]["id_column"]
+    storage = Storage(spec.input.path, spec.input.storage_options)
+    column = spec.input.id_column
     ids = []
     for shard in Shard.from_batch(batch):
         rows, _, _ = with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}")

@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -21,6 +22,10 @@ from pipeline.sink import OutputDir, summarize
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
 from pipeline.tasks import TaskRunner, column_type, output_columns, request_for
+
+if TYPE_CHECKING:
+    from pipeline.job import Job
+    from pipeline.spec import JobSpec
 
 
 MAX_OOM_HALVINGS = 4
@@ -36,23 +41,19 @@ class FatalShardError(RuntimeError):
     """A shard that can never succeed (e.g. duplicate ids): the job must stop."""
 
 
-def engine_config(spec: dict) -> EngineConfig:
-    return EngineConfig(model=spec["model"], seed=spec["seed"], **spec["engine"])
-
-
 class EngineActor:
     """A Ray Data actor holding one engine. A constructor that raises makes Ray restart the actor
     again and again; a failed setup is instead reported by the first call (`check_setup`), which
     fails the job or the dataset with this one line."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, *args, **kwargs):
         self.setup_error = None
         try:
-            self._setup(spec)
+            self._setup(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
             self.setup_error = f"worker setup failed on {socket.gethostname()}: {one_line(exc)}"
 
-    def _setup(self, spec: dict) -> None:
+    def _setup(self, *args, **kwargs) -> None:
         raise NotImplementedError
 
     def check_setup(self) -> None:
@@ -60,12 +61,12 @@ class EngineActor:
             raise FatalShardError(self.setup_error)
 
 
-def start_engine(spec: dict, prompts=None, config: EngineConfig | None = None) -> tuple[LLMEngine, TaskRunner]:
+def start_engine(spec: JobSpec, prompts=None, config: EngineConfig | None = None) -> tuple[LLMEngine, TaskRunner]:
     """The engine for `spec` (or for `config`, e.g. at a halved budget; its CPU threads shared
     among the node's actors) and its task runner."""
-    if not spec["workers"]["gpus"]:
-        _share_cpu_threads(spec["workers"]["num"])
-    engine = build_engine(config or engine_config(spec))
+    if not spec.workers.gpus:
+        _share_cpu_threads(spec.workers.num)
+    engine = build_engine(config or spec.engine_config())
     return engine, TaskRunner(spec, engine, prompts)
 
 
@@ -73,13 +74,13 @@ class ShardWorker(EngineActor):
     """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
     engine on its rows, and commits one output part per shard. Returns one summary per shard."""
 
-    def _setup(self, spec: dict) -> None:
+    def _setup(self, job: Job) -> None:
         chaos.point("init")
-        self.spec = spec
-        self.input = Storage(spec["input"]["path"], spec["input"]["storage_options"])
-        self.output = OutputDir(Storage(spec["output"]["path"], spec["output"]["storage_options"]),
-                                spec["output"]["format"])
-        self.engine_config = engine_config(spec)
+        self.job = job
+        self.spec = spec = job.spec
+        self.input = Storage(spec.input.path, spec.input.storage_options)
+        self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
+        self.engine_config = spec.engine_config()
         self._build_engine()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self.last_done = 0.0
@@ -162,7 +163,7 @@ class ShardWorker(EngineActor):
     def _bad_lines(self, rows, ids, errors):
         """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),
         skip (leave out, counted), fail (stop the job naming the line)."""
-        policy = self.spec["input"]["on_bad_line"]
+        policy = self.spec.input.on_bad_line
         bad = [i for i, e in enumerate(errors) if e is not None]
         if not bad or policy == "error":
             return rows, ids, errors, 0
@@ -172,7 +173,7 @@ class ShardWorker(EngineActor):
         return [rows[i] for i in keep], [ids[i] for i in keep], [None] * len(keep), len(bad)
 
     def _ids(self, rows: list[dict], derived: list[str], errors: list) -> list[str]:
-        column = self.spec["input"]["id_column"]
+        column = self.spec.input.id_column
         if not column:
             return derived
         ids, seen = [], set()
@@ -191,7 +192,7 @@ class ShardWorker(EngineActor):
 
     def _openai_lines(self, rows, ids, records) -> pa.Table:
         """OpenAI Batch output: one response (or error) line per row, as JSON text."""
-        created, lines = self.spec.get("created") or int(time.time()), []
+        created, lines = self.job.created or int(time.time()), []
         tokenizer = self.engine.tokenizer
         for row, row_id, rec in zip(rows, ids, records):
             req = rec.get("_request")
@@ -204,21 +205,21 @@ class ShardWorker(EngineActor):
                 req = req or request_for(row_id, chat=self.tasks.prompts is not None and self.tasks.prompts.chat)
                 logprobs = None
                 if rec.get("_logprobs") is not None:
-                    n = req.sampling.get("logprobs", self.spec["sampling"]["logprobs"]) or 0
+                    n = req.sampling.get("logprobs", self.spec.sampling.logprobs) or 0
                     logprobs = [_token_logprob(tokenizer, step, n) for step in rec["_logprobs"]]
                 line = oai.response_line(req, text=rec["generated_text"], finish_reason=rec["finish_reason"],
                                          prompt_tokens=rec["num_prompt_tokens"],
                                          completion_tokens=rec["num_generated_tokens"],
-                                         model=req.model or self.spec["model"], created=created, logprobs=logprobs)
+                                         model=req.model or self.spec.model, created=created, logprobs=logprobs)
             lines.append(json.dumps(line, ensure_ascii=False))
         return pa.table({"line": pa.array(lines, pa.string())})
 
 
-def output_table(spec: dict, rows: list[dict], ids: list[str], records: list[dict]) -> pa.Table:
+def output_table(spec: JobSpec, rows: list[dict], ids: list[str], records: list[dict]) -> pa.Table:
     """The output rows: id, the passed-through input columns, then the task's columns."""
-    keep = spec["input"]["columns"]
+    keep = spec.input.columns
     if keep is not None:  # eval needs its reference and group columns in the committed parts
-        keep = set(keep) | {spec["eval"]["reference_column"], spec["eval"]["group_column"]}
+        keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
     produced = output_columns(spec)
     out = []
     for row, row_id, rec in zip(rows, ids, records):

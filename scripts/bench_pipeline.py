@@ -22,7 +22,7 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from jobs.spec import load_spec
-from pipeline.runner import ensure_ray, run_job
+from pipeline.runner import Job, ensure_ray, run_job
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 
@@ -75,10 +75,8 @@ def main() -> None:
     t0 = time.perf_counter()
     ensure_ray(None)
     t_ray = time.perf_counter() - t0
-    data = spec.model_dump(mode="json")
-    data["fingerprint"] = spec.fingerprint()
     t0 = time.perf_counter()
-    result = run_job(data, progress=lambda msg: None)
+    result = run_job(Job.of(spec), progress=lambda msg: None)
     t_job = time.perf_counter() - t0
     workers = result.manifest["workers"]
     t_shards = sum(w["seconds"] for w in workers.values())

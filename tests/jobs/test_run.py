@@ -169,6 +169,13 @@ def test_validate_counts_rows_without_generating(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_validate_makes_the_checks_of_run(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    result = CliRunner().invoke(main, ["validate", "--input", str(tmp_path / "in.jsonl"),
+                                       "--output", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "input column 'prompt' not found in in.jsonl" in result.output, result.output
+
+
 def test_unwritable_output_is_fatal(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     (tmp_path / "file").write_text("not a directory")

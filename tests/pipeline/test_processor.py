@@ -21,7 +21,7 @@ CONFIG = {"model": "builtin:tiny", "sampling": {"max_tokens": 6, "temperature": 
 def test_from_items_rows_come_back_generated_with_a_jobs_columns(tmp_path):
     import ray
 
-    from pipeline.runner import run_job
+    from pipeline.runner import Job, run_job
     from jobs.spec import load_spec
 
     items = [{"question": f"what is {i}?", "n": i} for i in range(9)] + [{"question": None, "n": 9}]
@@ -36,9 +36,9 @@ def test_from_items_rows_come_back_generated_with_a_jobs_columns(tmp_path):
     assert rows[9]["finish_reason"] == "error" and rows[9]["error"] == "prompt is null"
 
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "n": r["n"]}) + "\n" for r in rows))
-    data = load_spec(None, ["sampling.max_tokens=6", "sampling.temperature=0", "engine.max_batch_tokens=2048"],
-                     input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out")).model_dump(mode="json")
-    run_job({**data, "fingerprint": "test"}, progress=lambda msg: None)
+    spec = load_spec(None, ["sampling.max_tokens=6", "sampling.temperature=0", "engine.max_batch_tokens=2048"],
+                     input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"))
+    run_job(Job(spec, "test"), progress=lambda msg: None)
     part = pq.read_table(next((tmp_path / "out" / "data").glob("part-*.parquet")))
     assert sorted(part.column_names) == sorted(rows[0])  # the same columns as a job's parts
 

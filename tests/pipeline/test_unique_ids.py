@@ -3,6 +3,7 @@ import pytest
 
 from pipeline.dataflow import JobError
 from pipeline.source import list_inputs
+from pipeline.spec import validate
 from pipeline.storage import Storage
 from pipeline.unique_ids import check_unique_ids
 
@@ -10,10 +11,9 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def spec_for(path, out):
-    """The parts of a spec dict the id check reads."""
-    return {"input": {"path": str(path), "storage_options": {}, "id_column": "id"},
-            "output": {"path": str(out), "storage_options": {}, "format": "parquet"},
-            "workers": {"rows_per_batch": 4, "shard_bytes": 1 << 20}}
+    """A spec with the parts the id check reads."""
+    return validate({"input": {"path": str(path), "id_column": "id"}, "output": {"path": str(out), "format": "parquet"},
+                     "workers": {"rows_per_batch": 4, "shard_bytes": 1 << 20}})
 
 
 def test_duplicates_across_files_and_shards_are_named(tmp_path):

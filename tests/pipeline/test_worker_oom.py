@@ -8,6 +8,7 @@ import pytest
 
 from jobs.spec import load_spec
 from pipeline import worker as worker_module
+from pipeline.job import Job
 from pipeline.report import PartTotals
 from pipeline.source import list_inputs, plan_shards
 from pipeline.storage import Storage
@@ -41,7 +42,7 @@ def shard_batch(tmp_path):
 def make_worker(tmp_path):
     spec = load_spec(None, ["model=builtin:echo", "engine.max_batch_tokens=8192", "sampling.max_tokens=2"],
                      input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"))
-    return ShardWorker(spec.model_dump(mode="json"))
+    return ShardWorker(Job.of(spec))
 
 
 def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_path, monkeypatch):

@@ -1,0 +1,74 @@
+"""What a complete job writes last: its final files (metrics.json, OpenAI Batch output files) and
+manifest.json, which stays small: counts, usage and a pointer to the part index."""
+from __future__ import annotations
+
+import platform
+import time
+
+from engine import __version__
+from pipeline.index import LAYOUT, IndexWriter, entries
+from pipeline.job import Job
+from pipeline.metrics import write_metrics
+from pipeline.openai_batch import write_batch_files
+from pipeline.report import PartTotals, read_runs, usage
+from pipeline.sink import SUMMARY_FIELDS, OutputDir
+from pipeline.spec import JobSpec
+from pipeline.storage import redact
+
+
+def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
+    """Files computed from the committed parts (so a resumed job writes what an uninterrupted
+    one would): metrics.json for task eval; output.jsonl and errors.jsonl for openai_batch.
+    Returns what the manifest says about them."""
+    extra = {}
+    if spec.task == "eval":
+        extra["metrics"] = write_metrics(out, entries(out, {"index": index}), spec.eval.metrics,
+                                         spec.eval.group_column)
+    if out.format == "openai_batch":
+        extra["openai_batch"] = write_batch_files(out, entries(out, {"index": index}))
+    return extra
+
+
+def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTotals, record: dict,
+                   run: dict) -> dict:
+    """Counts, usage and pointers; the parts are listed in the index it points to. `record` is
+    the output's _job.json, `run` this run's record."""
+    data = totals.result()
+    return {
+        "batchinfer_version": __version__,
+        "layout": LAYOUT,
+        "status": "complete",
+        "spec": redact(job.spec.model_dump(mode="json")),
+        "fingerprint": job.fingerprint,
+        "model": job.spec.model,
+        "format": out.format,
+        "versions": versions(),
+        **data,
+        "prefix_cache_hit_rate": data["cached_prompt_tokens"] / data["prompt_tokens"] if data["prompt_tokens"] else 0.0,
+        "usage": usage(read_runs(out), data["generated_tokens"], job.spec.report.price_per_hour),
+        "index": index.pointer(),
+        "planning": run.get("planning"),
+        "created": record.get("created"),
+        "finished": time.time(),
+        "this_run": {k: run[k] for k in (*SUMMARY_FIELDS, "run_id", "generate_seconds")}
+        | {"wall_seconds": run["finished"] - run["started"],
+           "generated_tokens_per_second": run["generated_tokens"] / run["generate_seconds"]
+           if run["generate_seconds"] else 0.0},
+    }
+
+
+def versions() -> dict:
+    """Versions of Python and of the libraries that shape the output."""
+    import pyarrow
+    import torch
+    import transformers
+
+    found = {"python": platform.python_version(), "batchinfer": __version__, "torch": torch.__version__,
+             "transformers": transformers.__version__, "pyarrow": pyarrow.__version__}
+    try:
+        import ray
+
+        found["ray"] = ray.__version__
+    except ImportError:
+        pass
+    return found

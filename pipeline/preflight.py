@@ -1,0 +1,65 @@
+"""Checks before any actor starts: one line, at once, for problems that would doom every actor.
+
+Used by `run_job` before it claims the output, and by `batchinfer validate`.
+"""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.echo import ECHO_MODEL, EchoEngine
+from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
+from pipeline.dataflow import JobError
+from pipeline.prompts import PromptBuilder, TemplateError
+from pipeline.source import InputError, list_inputs, read_schema_columns
+from pipeline.spec import JobSpec
+from pipeline.storage import Storage
+
+
+def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
+    """Raises JobError on inputs that cannot be listed or read, a template that does not parse,
+    an input column the job needs that the first file lacks, or a model that will not load.
+    Returns the input files."""
+    inp = spec.input
+    try:
+        storage = Storage(inp.path, inp.storage_options)
+        files = list_inputs(storage, inp.format)
+        builder = PromptBuilder.from_spec(inp)
+        path, name, fmt = files[0]
+        columns = read_schema_columns(storage, path, fmt)
+    except (InputError, TemplateError) as exc:
+        raise JobError(str(exc)) from None
+    except (OSError, ValueError, ImportError) as exc:
+        raise JobError(f"cannot read input {inp.path}: {one_line(exc)}") from None
+    needed = input_columns(spec, builder)
+    absent = [c for c in needed if c not in columns]
+    if columns and absent:
+        raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
+    tokenizer = check_model(spec.engine_config())
+    if builder.chat and not getattr(tokenizer, "chat_template", None):
+        raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
+                       "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
+    return files
+
+
+def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
+    """Input columns every row needs: the prompt's, the id's, and the task's."""
+    inp = spec.input
+    if inp.format == "openai_batch":
+        return ["custom_id", "body"]
+    needed = builder.columns + ([inp.id_column] if inp.id_column else [])
+    if spec.task in ("label", "eval") and spec.label.choices_column:
+        needed.append(spec.label.choices_column)
+    if spec.task == "eval":
+        needed += [c for c in (spec.eval.reference_column, spec.eval.group_column) if c]
+    return needed
+
+
+def check_model(config: EngineConfig):
+    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
+    loads its tokenizer (no weights). Returns the tokenizer."""
+    if config.model == ECHO_MODEL:
+        return EchoEngine(config).tokenizer.hf
+    try:
+        return load_tokenizer(config, check_model_files(config))
+    except (ModelLoadError, ValueError) as exc:
+        message = str(exc)  # Hub errors name the id already
+        raise JobError(message if config.model in message else f"model {config.model}: {message}") from None

@@ -25,8 +25,12 @@ if TYPE_CHECKING:
     from pipeline.spec import JobSpec
 
 FILES_PER_PLAN_TASK = 8
-"""Files one planning task takes (more once MAX_PLAN_BLOCKS is reached): fewer, longer tasks
-cost less Ray overhead; the first shards wait for the first task only."""
+"""Files one planning task takes at most (more once MAX_PLAN_BLOCKS is reached): fewer, longer
+tasks cost less Ray overhead; the first shards wait for the first task only."""
+
+BYTES_PER_PLAN_TASK = 256 << 20
+"""Input bytes one planning task takes at most (a larger file alone), as far as the listing gives
+sizes: a task hands its shards on only when it is done, so large files get a task each."""
 
 MAX_PLAN_BLOCKS = 1000
 """Planning tasks per job at most."""
@@ -43,8 +47,34 @@ SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format
 """A planned shard as a Ray Data row; `committed` = its commit record (JSON) if already done, else ""."""
 
 
-def plan_blocks(num_files: int) -> int:
-    return max(1, min(-(-num_files // FILES_PER_PLAN_TASK), MAX_PLAN_BLOCKS))
+def plan_groups(files: list) -> list[list[int]]:
+    """The input files (indices, in order) each planning task takes: consecutive files, at most
+    FILES_PER_PLAN_TASK of them and BYTES_PER_PLAN_TASK bytes, both limits raised as needed to
+    stay within MAX_PLAN_BLOCKS tasks. Sizes come from the listing (`InputFiles.sizes`)."""
+    n = len(files)
+    sizes = getattr(files, "sizes", None) or [None] * n
+    per_task = max(FILES_PER_PLAN_TASK, -(-n // MAX_PLAN_BLOCKS))
+    known = [b for b in sizes if b is not None]
+    byte_cap = max(BYTES_PER_PLAN_TASK, -(-sum(known) // MAX_PLAN_BLOCKS) if known else 0)
+    while True:
+        groups, group, group_bytes = [], [], 0
+        for i in range(n):
+            size = sizes[i] or 0
+            if group and (len(group) >= per_task or group_bytes + size > byte_cap):
+                groups.append(group)
+                group, group_bytes = [], 0
+            group.append(i)
+            group_bytes += size
+        if group:
+            groups.append(group)
+        if len(groups) <= MAX_PLAN_BLOCKS:
+            return groups or [[]]
+        byte_cap *= 2  # greedy packing left too many tasks: looser byte limit
+
+
+def plan_blocks(files: list) -> int:
+    """How many planning tasks plan `files`."""
+    return len(plan_groups(files))
 
 
 def shard_limits(spec: JobSpec, layout: int) -> tuple[int | None, int | None]:
@@ -59,8 +89,11 @@ def planned_dataset(spec: JobSpec, files: list[tuple[str, str, str]], resume: bo
     """A Ray Dataset of shard rows (SHARD_SCHEMA), planned by Ray tasks as it is consumed."""
     import ray
 
-    items = [{"path": p, "name": n, "format": f} for p, n, f in files]
-    blocks = plan_blocks(len(files))
+    # One item per planning task, holding its files, so that the tasks are what plan_groups says.
+    groups = plan_groups(files)
+    items = [{"path": [files[i][0] for i in g], "name": [files[i][1] for i in g], "format": [files[i][2] for i in g]}
+             for g in groups]
+    blocks = len(groups)
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     # Planning tasks reserve no CPU: they are I/O-bound, and the engine actors may hold every
     # CPU of the cluster (planning would then never be scheduled and the job would hang); at most
@@ -78,9 +111,12 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, layout: int) -> pa.
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     rows, nbytes = shard_limits(spec, layout)
     started = time.perf_counter()
-    names = batch.column("name").to_pylist()
+    def column(name: str) -> list:
+        return [v for group in batch.column(name).to_pylist() for v in group]
+
+    names = column("name")
     shards: list[Shard] = []
-    for path, name, fmt in zip(batch.column("path").to_pylist(), names, batch.column("format").to_pylist()):
+    for path, name, fmt in zip(column("path"), names, column("format")):
         shards += plan_file(storage, path, name, fmt, rows, nbytes, attempts=5)
     committed = [_committed(out, s) if resume else "" for s in shards]
     _record(out, names, shards, time.perf_counter() - started)

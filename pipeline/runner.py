@@ -102,7 +102,7 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
     write_run(out, run)
     chaos.point("listed")
     resume = out.storage.exists(out.storage.path("data"))
-    _start_plan(out, record, len(files))
+    _start_plan(out, record, files)
     progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))
     layout = 2 if record.get("shard_plan") == "bytes" else 1
@@ -146,10 +146,10 @@ def _complete(job: Job, out: OutputDir, record: dict, run: dict, index: IndexWri
     return _result(manifest["status"], out, manifest, run)
 
 
-def _start_plan(out: OutputDir, record: dict, num_files: int) -> None:
+def _start_plan(out: OutputDir, record: dict, files) -> None:
     """Clears the planning records of earlier runs and notes how many this run's tasks write."""
     out.storage.remove_tree(out.storage.path(PLAN_DIR))
-    blocks = plan_blocks(num_files)
+    blocks = plan_blocks(files)
     if record.get("plan_blocks") != blocks:
         record["plan_blocks"] = blocks
         out.write_json("_job.json", record)

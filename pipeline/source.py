@@ -82,6 +82,8 @@ class InputFiles(list):
     their size in all, from the listing itself (None where the filesystem gave no sizes)."""
 
     total_bytes: int | None = None
+    sizes: list[int | None] = []
+    """Each file's size in bytes, from the listing (None where it gave none)."""
 
 
 def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
@@ -108,6 +110,7 @@ def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
             sizes.append(found[p].get("size"))
     if not files:
         raise InputError(f"no input files (.jsonl, .json, .parquet) under {storage.url}")
+    files.sizes = [n if isinstance(n, int) else None for n in sizes]
     files.total_bytes = sum(sizes) if all(isinstance(n, int) for n in sizes) else None
     return files
 

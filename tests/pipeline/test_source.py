@@ -132,3 +132,23 @@ def test_listing_sums_input_sizes_and_shards_split_each_file_s_bytes(tmp_path):
             spans = [(s.byte_start, s.byte_stop) for s in shards if s.name == name]
             assert spans[0][0] == 0 and spans[-1][1] == size
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
+
+
+def test_planning_tasks_take_few_files_and_large_files_alone(monkeypatch):
+    from pipeline import planner
+    from pipeline.source import InputFiles
+
+    def listing(sizes):
+        files = InputFiles((f"/in/{i}", f"{i}", "jsonl") for i in range(len(sizes)))
+        files.sizes = list(sizes)
+        return files
+
+    mib = 1 << 20
+    assert planner.plan_groups(listing([mib] * 20)) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+    big = planner.BYTES_PER_PLAN_TASK
+    assert planner.plan_groups(listing([mib, big, mib, mib, 2 * big, mib])) == [[0], [1], [2, 3], [4], [5]]
+    assert planner.plan_groups(listing([None] * 9)) == [list(range(8)), [8]]  # no sizes: by count
+    monkeypatch.setattr(planner, "MAX_PLAN_BLOCKS", 3)  # the cap wins: limits are raised
+    groups = planner.plan_groups(listing([big] * 10))
+    assert len(groups) <= 3 and sorted(i for g in groups for i in g) == list(range(10))
+    assert planner.plan_blocks(listing([mib] * 20)) == 3

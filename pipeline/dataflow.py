@@ -10,7 +10,7 @@ import logging
 import os
 import re
 
-from engine.loader import one_line
+from engine.errors import one_line
 from pipeline import chaos
 from pipeline.index import IndexWriter
 from pipeline.planner import planned_dataset

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from engine import __version__
 from engine.config import EngineConfig
 from engine.echo import ECHO_MODEL, EchoEngine
-from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
+from engine.errors import ModelLoadError, one_line
+from engine.loader import check_model_files, load_tokenizer
 from pipeline import chaos
 from pipeline.dataflow import JobError, ensure_ray, execute
 from pipeline.index import LAYOUT, IndexWriter, entries

@@ -15,7 +15,11 @@ from chaos.harness import python_path, scenarios
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-SIGKILLED = ("driver SIGKILL while listing", "driver SIGKILL before the manifest", "driver SIGKILL before _SUCCESS")
+SIGKILLED = {  # what the killed first run left: any part committed, manifest.json, _SUCCESS
+    "driver SIGKILL while listing": (False, False, False),
+    "driver SIGKILL before the manifest": (True, False, False),
+    "driver SIGKILL before _SUCCESS": (True, True, False),
+}
 NODE_LOSS = ("node removed mid-job, replaced", "node removed mid-job, not replaced")
 
 
@@ -32,9 +36,9 @@ def test_scenario_fires_and_loses_and_duplicates_nothing(name, tmp_path):
     evidence = report["evidence"]
     assert report["duplicates"] == 0 and report["lost"] == 0, report
     assert report["rows_out"] == report["rows_in"] == 160, report
-    assert report["fired"] and report["ok"] and done.returncode == 0, report
     if name in SIGKILLED:
         assert evidence["first_exit"] == -9, report
+        assert (evidence["parts"] > 0, evidence["manifest"], evidence["success"]) == SIGKILLED[name], report
     if name == "actor constructor fails":
         assert evidence["first_exit"] == 1, report
         log = (tmp_path / "f" / "job.log").read_text()
@@ -50,3 +54,4 @@ def test_scenario_fires_and_loses_and_duplicates_nothing(name, tmp_path):
     if name == "node removed while listing":
         assert evidence["listed_before_removal"] and evidence["inits_before_removal"] == 0, report
         assert evidence["inits_after_removal"] > 0, report
+    assert report["fired"] and report["ok"] and done.returncode == 0, report

@@ -63,10 +63,16 @@ def builtin_path(model: str, cache_dir: str | os.PathLike | None = None) -> Path
     return target
 
 
+def quiet_transformers() -> None:
+    """Per-file progress bars from transformers drown a job's own progress output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _build(recipe: dict, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from engine.loader import quiet_transformers
 
     quiet_transformers()
     tokenizer = byte_tokenizer()

@@ -1,7 +1,7 @@
 """Engine configuration: the one place where engine defaults live."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -69,9 +69,6 @@ class EngineConfig:
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")
                 or self.device == "mps"):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:

@@ -13,6 +13,8 @@ import os
 import re
 from pathlib import Path
 
+from engine.errors import ModelLoadError, one_line
+
 log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -96,8 +98,6 @@ def _describe(exc: Exception, repo_id: str, revision: str | None):
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    from engine.loader import ModelLoadError, one_line
-
     at = f" at revision {revision!r}" if revision else ""
     token = "HF_TOKEN is set" if get_token() else "no HF_TOKEN is set"
     if isinstance(exc, GatedRepoError):
@@ -122,8 +122,6 @@ class _download_lock:
 
     def __init__(self, repo_id: str):
         from filelock import FileLock
-
-        from engine.loader import ModelLoadError, one_line
 
         path = cache_dir() / ".locks" / ("models--" + repo_id.replace("/", "--")) / "batchinfer-snapshot.lock"
         try:

@@ -13,7 +13,7 @@ from engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, pool_capacity
+from engine.scheduler import Scheduler, SchedulerOutput, pool_capacity, prefill_capacity
 from engine.scoring import ChoiceScores, score_choices
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -21,7 +21,6 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-CPU_PREFILL_TOKENS = 1024
 GRAPH_WIDTH_ALIGN = 128
 """With CUDA graphs, KV layout widths are rounded up to this, so batches of similar widths share
 one layout and its captured graphs (costs at most max_num_seqs x 127 extra pool slots)."""
@@ -75,12 +74,8 @@ class LLMEngine:
         return self.config.max_model_len
 
     def _max_prefill_tokens(self) -> int:
-        if self.config.max_prefill_tokens is not None:
-            return self.config.max_prefill_tokens
-        # On CPU a prefill of ~1k tokens already keeps every core busy, and smaller groups pad less
-        # (scripts/bench_batching.py, workload c); a GPU wants as many tokens per pass as it can get.
-        return min(self.config.max_batch_tokens, CPU_PREFILL_TOKENS if self.runner.device.type == "cpu"
-                   else self.config.max_batch_tokens)
+        return prefill_capacity(self.config.max_prefill_tokens, self.config.max_batch_tokens,
+                                on_cpu=self.runner.device.type == "cpu")
 
     # -- requests -----------------------------------------------------------------------------
 

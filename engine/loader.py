@@ -7,14 +7,11 @@ import os
 from pathlib import Path
 
 from engine import hub
-from engine.builtin import builtin_path, default_cache_dir, is_builtin
+from engine.builtin import builtin_path, default_cache_dir, is_builtin, quiet_transformers
 from engine.config import EngineConfig
+from engine.errors import ModelLoadError, one_line
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be loaded; the message says why in one line."""
 
 
 def resolve_model_dir(config: EngineConfig, which: str | None = None, weights: bool = True) -> Path:
@@ -94,13 +91,6 @@ def check_weights(path: Path, allow_pickle: bool, names: list[str] | None = None
             "so it needs allow_pickle=True (or convert the weights to safetensors)")
 
 
-def quiet_transformers() -> None:
-    """Per-file progress bars from transformers drown a job's own progress output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def load_tokenizer(config: EngineConfig, model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -125,9 +115,3 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device):
     except Exception as exc:
         raise ModelLoadError(f"cannot load model from {model_dir}: {one_line(exc)}") from exc
     return model.to(device).eval()
-
-
-def one_line(exc: BaseException) -> str:
-    """`Type: first line of the message`, for one-line error reports."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,7 +1,7 @@
 """Per-request sampling settings, with vLLM's field names."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from engine.config import _field_docs
 
@@ -65,13 +65,6 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:

@@ -25,6 +25,19 @@ def pool_capacity(max_batch_tokens: int, max_num_seqs: int, width_align: int) ->
     return max_batch_tokens + max_num_seqs * (width_align - 1)
 
 
+CPU_PREFILL_TOKENS = 1024
+"""On CPU a prefill of ~1k tokens already keeps every core busy, and smaller groups pad less
+(scripts/bench_batching.py, workload c); a GPU wants as many tokens per pass as it can get."""
+
+
+def prefill_capacity(max_prefill_tokens: int | None, max_batch_tokens: int, on_cpu: bool = False) -> int:
+    """Most prompt tokens prefilled in one forward pass: the configured value, else
+    CPU_PREFILL_TOKENS on CPU (never above max_batch_tokens) and max_batch_tokens elsewhere."""
+    if max_prefill_tokens is not None:
+        return max_prefill_tokens
+    return min(max_batch_tokens, CPU_PREFILL_TOKENS) if on_cpu else max_batch_tokens
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -59,7 +72,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = max_prefill_tokens or max_batch_tokens
+        self.max_prefill_tokens = prefill_capacity(max_prefill_tokens, max_batch_tokens)
         self.continuous = continuous
         self.width_align = width_align
         """Layout widths are rounded up to this (CUDA graphs are captured per layout: fewer layouts)."""

@@ -1,5 +1,4 @@
-"""The `batchinfer` command line. Exit codes: 0 done (or nothing to do), 1 failed,
-2 bad spec or usage, 3 error rate above max_error_rate."""
+"""The `batchinfer` command line. Exit codes: jobs/exit_codes.py."""
 from __future__ import annotations
 
 import json
@@ -8,10 +7,9 @@ import sys
 import click
 
 from engine import __version__
+from jobs.exit_codes import EXIT_ERROR_RATE, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from jobs.spec import JobSpec, SpecError, field_reference, load_spec
 from jobs.tune import DEFAULT_ROWS
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR_RATE = 0, 1, 2, 3
 
 
 def _spec_options(fn):

@@ -18,8 +18,3 @@ def job_command(config: str, output_prefix: str, ds: str, python: str = "python"
     """The shell command that runs `config` for schedule slot `ds` (YYYY-MM-DD)."""
     args = [python, "-m", "jobs.run", config, "--set", f"output.path={dated_output(output_prefix, ds)}"]
     return shlex.join(args + list(extra or []))
-
-
-EXIT_CODES = {0: "done (or nothing to do)", 1: "failed: retry resumes", 2: "bad spec or usage: fix, do not retry",
-              3: "error rate above max_error_rate: inspect the errors"}
-"""What each exit code of `batchinfer run` / `python -m jobs.run` means to a scheduler."""

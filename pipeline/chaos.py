@@ -1,57 +1,33 @@
-"""Fault injection for reliability tests: break a job at a named point, on purpose.
-
-Set `BATCHINFER_CHAOS` to `POINT:ACTION[:ONCE_FILE]` (several separated by `;`). At POINT the
-process performs ACTION; with ONCE_FILE only the first process to create that file does
-(so a restarted actor or a rerun gets through). Unset, every hook is a no-op.
+"""A hook for fault injection in tests: the job calls `point(name)` at named points.
 
 Points: driver `listed` (files listed, shards not yet planned), `generated` (every shard
 committed, manifest not written), `manifest` (manifest written, _SUCCESS not); worker `init`
 (actor constructor), `shard` (a shard generated, its part not yet committed).
-Actions: `kill` (SIGKILL the whole process group: a crashed machine), `exit` (os._exit(1):
-a crashed process), `raise` (an exception), `sleep=SECONDS`.
+
+Unset, every point is a no-op. With `BATCHINFER_CHAOS_HOOK` naming a module (importable from
+the process's PYTHONPATH), each point calls that module's `point(name)`. The faults themselves
+live with the tests (tests/chaos/faults.py), not in the product.
 """
 from __future__ import annotations
 
+import importlib
 import os
-import signal
-import time
 
-ENV = "BATCHINFER_CHAOS"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the `raise` action."""
+HOOK = "BATCHINFER_CHAOS_HOOK"
+PREFIX = "BATCHINFER_CHAOS"
+"""Variables forwarded to Ray workers: the hook and the settings of the module it names."""
 
 
 def point(name: str) -> None:
-    """Performs the fault configured for `name`, if any."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    for item in spec.split(";"):
-        where, _, rest = item.strip().partition(":")
-        action, _, once = rest.partition(":")
-        if where != name or (once and not _first(once)):
-            continue
-        if action == "kill":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-        elif action == "exit":
-            os._exit(1)
-        elif action == "raise":
-            raise InjectedFault(f"injected fault at {name}")
-        elif action.startswith("sleep="):
-            time.sleep(float(action.split("=", 1)[1]))
+    """Calls the hook module's `point(name)`, if a hook is set."""
+    module = os.environ.get(HOOK)
+    if module:
+        importlib.import_module(module).point(name)
 
 
 def forwarded_env() -> dict:
-    """Environment for Ray workers, so faults reach actors of an already running cluster."""
-    return {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
-
-
-def _first(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.close(fd)
-    return True
+    """Environment for Ray workers, so that the hook reaches actors of an already running
+    cluster: the BATCHINFER_CHAOS* variables and the PYTHONPATH the hook module is found on."""
+    if not os.environ.get(HOOK):
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX) or k == "PYTHONPATH"}

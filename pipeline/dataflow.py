@@ -11,7 +11,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from engine.loader import one_line
+from engine.errors import one_line
 from pipeline import chaos
 from pipeline.index import IndexWriter
 from pipeline.planner import planned_dataset

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.echo import ECHO_MODEL, EchoEngine
-from engine.loader import ModelLoadError, check_model_files, load_tokenizer, one_line
+from engine.errors import ModelLoadError, one_line
+from engine.loader import check_model_files, load_tokenizer
 from pipeline.dataflow import JobError
 from pipeline.prompts import PromptBuilder, TemplateError
 from pipeline.source import InputError, list_inputs, read_schema_columns

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from engine.loader import one_line
+from engine.errors import one_line
 from pipeline import chaos
 from pipeline.dataflow import JobError, ensure_ray, execute
 from pipeline.index import IndexWriter

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Iterator
 
 import pyarrow as pa
@@ -51,12 +51,9 @@ class Shard:
         """Stable identity of the shard: the same input and shard settings give the same keys."""
         return hashlib.sha1(f"{self.name}\0{self.start}\0{self.stop}".encode()).hexdigest()[:20]
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @classmethod
     def from_batch(cls, batch: dict) -> list["Shard"]:
-        """Shards from a Ray Data batch of `to_dict()` rows (numpy columns)."""
+        """Shards from a Ray Data batch of rows holding the Shard fields (numpy columns)."""
         def plain(value):
             return value.item() if hasattr(value, "item") else value
 

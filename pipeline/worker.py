@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from engine import EngineConfig, LLMEngine
 from engine.echo import ECHO_MODEL, EchoEngine
-from engine.loader import one_line
+from engine.errors import one_line
 from pipeline import chaos
 from pipeline import openai_batch as oai
 from pipeline.planner import shard_identity

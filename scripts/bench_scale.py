@@ -134,10 +134,12 @@ class S3:
     def __enter__(self):
         import logging
 
-        from jobs.chaos import FlakyProxy, s3_server
+        sys.path.insert(0, str(ROOT / "tests"))
+        from chaos.proxy import FlakyProxy
+        from services import moto_server
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
-        self._server = s3_server()
+        self._server = moto_server()
         endpoint = self._server.__enter__()
         self.proxy = FlakyProxy(endpoint, every=10 ** 12)  # never fails: only counts
         threading.Thread(target=self.proxy.serve_forever, daemon=True).start()

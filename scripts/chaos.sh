@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the fault scenarios (driver SIGKILLs, actor crashes, node loss, object-storage throttling,
 # a failing actor constructor) against real jobs and prints a table: scenario, rows in, rows out,
-# duplicates, lost, outcome. Exits non-zero if any id was lost or duplicated.
+# duplicates, lost, outcome, and the evidence that the fault fired. Exits non-zero if a fault did not
+# fire or any id was lost or duplicated. The harness and the faults live in tests/chaos/.
 #   scripts/chaos.sh                      # all scenarios (~6 minutes on 2 cores)
 #   scripts/chaos.sh "actor constructor fails"
 set -euo pipefail
@@ -9,4 +10,5 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
 export TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m jobs.chaos "$@"
+export PYTHONPATH="$root/tests${PYTHONPATH:+:$PYTHONPATH}"
+exec .venv/bin/python -m chaos.harness "$@"

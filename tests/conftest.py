@@ -1,27 +1,13 @@
 """Shared fixtures: tiny random models of several architectures, built locally (no hub)."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 
+from services import environment, moto_server
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@contextlib.contextmanager
-def environment(**env: str):
-    """Sets environment variables for the block, then restores what was there."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -72,20 +58,8 @@ def s3_server():
 
     Credentials and the endpoint go into the environment before Ray starts, so the driver, the
     Ray workers and s3fs all talk to it the way they would talk to AWS."""
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    with environment(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing-secret",
-                     AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint):
+    with moto_server(endpoint_env=True) as endpoint:
         yield endpoint
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ class Block:
         if name.split(".")[0] in ("torch", "transformers"):
             raise ImportError(f"{name} is blocked in this test")
 sys.meta_path.insert(0, Block())
-import engine, engine.config, engine.sampling_params, engine.scheduler, engine.sequence, jobs.spec
+import engine, engine.config, engine.errors, engine.sampling_params, engine.scheduler, engine.sequence, jobs.spec
 assert "torch" not in sys.modules and "transformers" not in sys.modules
 print("ok")
 """

@@ -1,36 +1,57 @@
-"""Fault scenarios against real jobs (see jobs/chaos.py): after each, every input id is in the
-committed output exactly once, and the job completed (in one run, or after a rerun)."""
+"""Fault scenarios against real jobs (see tests/chaos/harness.py): after each, the fault is seen
+to have fired, every input id is in the committed output exactly once, and the job completed
+(in one run, or after a rerun)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from jobs.chaos import scenarios
+from chaos.harness import python_path, scenarios
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+SIGKILLED = {  # what the killed first run left: any part committed, manifest.json, _SUCCESS
+    "driver SIGKILL while listing": (False, False, False),
+    "driver SIGKILL before the manifest": (True, False, False),
+    "driver SIGKILL before _SUCCESS": (True, True, False),
+}
+NODE_LOSS = ("node removed mid-job, replaced", "node removed mid-job, not replaced")
 
 
 # "driver SIGKILL mid-generation" is tests/jobs/test_resume.py (with a partial report); the rest here.
 @pytest.mark.parametrize("name", [n for n in scenarios(Path("/unused")) if n != "driver SIGKILL mid-generation"])
-def test_scenario_loses_and_duplicates_nothing(name, tmp_path):
+def test_scenario_fires_and_loses_and_duplicates_nothing(name, tmp_path):
     # Each scenario runs in its own process: some start their own Ray cluster.
-    done = subprocess.run([sys.executable, "-m", "jobs.chaos", name, "--report", str(tmp_path / "report.json"),
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    env = os.environ | {"PYTHONPATH": python_path()}
+    done = subprocess.run([sys.executable, "-m", "chaos.harness", name, "--report", str(tmp_path / "report.json"),
+                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=env)
     assert (tmp_path / "report.json").exists(), done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())[0]
+    evidence = report["evidence"]
     assert report["duplicates"] == 0 and report["lost"] == 0, report
     assert report["rows_out"] == report["rows_in"] == 160, report
-    assert report["ok"] and done.returncode == 0, report
+    if name in SIGKILLED:
+        assert evidence["first_exit"] == -9, report
+        assert (evidence["parts"] > 0, evidence["manifest"], evidence["success"]) == SIGKILLED[name], report
     if name == "actor constructor fails":
-        assert "first run exit 1" in report["outcome"]
+        assert evidence["first_exit"] == 1, report
         log = (tmp_path / "f" / "job.log").read_text()
         assert "error: worker setup failed" in log and "injected fault at init" in log
     if name == "actor os._exit mid-shard, once":
-        assert report["outcome"].startswith("first run exit 0"), "a crashed actor is replaced within the run"
+        assert (tmp_path / "once-e").exists(), "the actor reached the fault"
+        assert evidence["first_exit"] == 0, "a crashed actor is replaced within the run"
     if name == "object storage throttling":
-        assert "requests throttled" in report["outcome"] and "first run exit 0" in report["outcome"]
+        assert evidence["throttled"] > 0 and evidence["first_exit"] == 0, report
+    if name in NODE_LOSS:
+        assert evidence["shards_on_removed_node"] > 0, "an actor ran on the node before it went"
+        assert evidence["inits_after_removal"] > 0, "an actor was started again elsewhere"
+    if name == "node removed while listing":
+        assert evidence["listed_before_removal"] and evidence["inits_before_removal"] == 0, report
+        assert evidence["inits_after_removal"] > 0, report
+    assert report["fired"] and report["ok"] and done.returncode == 0, report

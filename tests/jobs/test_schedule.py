@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import write_jsonl
-from jobs.schedule import EXIT_CODES, dated_output, job_command
+from jobs.exit_codes import EXIT_CODES
+from jobs.schedule import dated_output, job_command
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,7 @@
 """Out of memory inside a shard is not a job failure: the worker halves the engine's
 max_batch_tokens and retries the shard. The allocation failure is injected by wrapping the
 engine the worker builds (the test hook); the engine is builtin:echo, so no model loads."""
+import dataclasses
 import json
 
 import pyarrow.parquet as pq
@@ -36,7 +37,7 @@ def shard_batch(tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(6)))
     storage = Storage(str(tmp_path / "in.jsonl"))
     (shard,) = plan_shards(storage, list_inputs(storage, "auto"), None, 1 << 20)
-    return {**{k: [v] for k, v in shard.to_dict().items()}, "committed": [""]}
+    return {**{k: [v] for k, v in dataclasses.asdict(shard).items()}, "committed": [""]}
 
 
 def make_worker(tmp_path):

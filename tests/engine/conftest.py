@@ -4,20 +4,31 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from parity import ForgivenRows
 from tiny_models import ARCHS, build_tiny_model  # noqa: E402  (tests/engine is on sys.path via rootdir)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """arch -> directory of a tiny random model of that architecture (built once per session)."""
+    """(arch, eos_scale=None) -> directory of a tiny random model of that architecture (built once
+    per session); see build_tiny_model for eos_scale."""
     cache = {}
 
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(arch))
-        return cache[arch]
+    def get(arch: str, eos_scale: float | None = None):
+        if (arch, eos_scale) not in cache:
+            cache[arch, eos_scale] = build_tiny_model(arch, tmp_path_factory.mktemp(arch), eos_scale=eos_scale)
+        return cache[arch, eos_scale]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def forgiveness():
+    """The module's tally of rows compared with transformers and rows forgiven as near-ties;
+    the module fails (at teardown) when more than 1 in 50 were forgiven."""
+    tally = ForgivenRows()
+    yield tally
+    tally.check()
 
 
 @pytest.fixture(scope="session")

@@ -2,45 +2,27 @@
 tiny random models of several architectures, for every batch budget and both scheduling modes."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SCHEDULING_MODES
+from parity import assert_same_tokens, reference
 from tiny_models import ARCHS
+
+__all__ = ["PROMPTS", "assert_same_tokens", "reference"]  # test_gpu and test_prefix_cache import them from here
 
 PROMPTS = ["Hello world", "a", "The quick brown fox jumps over the lazy dog",
            "Ünïcödé tèxt — with multi-byte characters ✓", "0123456789" * 6, "short one"]
 # (max_batch_tokens, max_num_seqs): one row per batch, a tight token budget, a few rows, all in one batch
 BUDGETS = [(4096, 1), (100, 64), (220, 3), (4096, 64)]
-NEAR_TIE = 1e-4
-
-
-def reference(model, ids: list[int], max_new: int, stop_at_eos: bool, **kwargs):
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=model.config.eos_token_id if stop_at_eos else None, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist(), [l[0] for l in out.logits]
-
-
-def assert_same_tokens(ours: list[int], ref: list[int], ref_logits, label: str) -> None:
-    """Equal, or diverging only at a near-tie in the reference (then said out loud)."""
-    for k, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = ref_logits[k].float().topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < NEAR_TIE, f"{label}: token {k} differs ({a} vs {b}), reference top-2 gap {gap:.2e}"
-            warnings.warn(f"{label}: forgiven divergence at token {k}: near-tie, top-2 gap {gap:.1e}")
-            return
-    assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs transformers' {len(ref)}"
+EOS_SCALE = {"llama": 1.5, "gpt2": 3.0}
+"""The EOS test's models: EOS's output row scaled so that about half the greedy rows end by EOS
+(see tiny_models; unscaled, none of these prompts does)."""
 
 
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers_for_every_budget(arch, mode, tiny_model_dir, reference_model):
+def test_greedy_matches_transformers_for_every_budget(arch, mode, tiny_model_dir, reference_model, forgiveness):
     path = tiny_model_dir(arch)
     ref_model = reference_model(path)
     max_new = 24
@@ -57,7 +39,7 @@ def test_greedy_matches_transformers_for_every_budget(arch, mode, tiny_model_dir
         for p, sp, out, (ref, logits) in zip(PROMPTS, params, outs, expected):
             assert out.finish_reason == "length" and out.error is None
             assert_same_tokens(out.token_ids, ref[: sp.max_tokens], logits, f"{arch} {mode} budget={budget} "
-                               f"prompt={p[:12]!r}")
+                               f"prompt={p[:12]!r}", forgiveness)
         assert all(s.reserved_tokens <= budget and s.peak_rows <= rows for s in llm.batch_stats)
         if mode == "static" and rows == 1:
             assert len(llm.batch_stats) == len(PROMPTS)
@@ -67,25 +49,33 @@ def test_greedy_matches_transformers_for_every_budget(arch, mode, tiny_model_dir
 
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_stops_at_eos_like_transformers(arch, mode, tiny_model_dir, reference_model):
-    path = tiny_model_dir(arch)
+def test_stops_at_eos_like_transformers(arch, mode, tiny_model_dir, reference_model, forgiveness):
+    """Rows end by EOS where transformers' do (EOS kept as the last token id, not in the text);
+    the others run to max_tokens. The model makes EOS likely, so both kinds of row occur."""
+    path = tiny_model_dir(arch, eos_scale=EOS_SCALE[arch])
     ref_model = reference_model(path)
     llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=400, scheduling=mode))
+    eos = ref_model.config.eos_token_id
     prompts = [f"prompt number {i}: " + "x" * i for i in range(12)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
-    stopped = 0
+    finished = []
     for p, out in zip(prompts, outs):
         ref, logits = reference(ref_model, llm.tokenizer.encode(p), 40, stop_at_eos=True)
-        assert_same_tokens(out.token_ids, ref, logits, f"{arch} {p!r}")
-        if out.finish_reason == "stop":
-            stopped += 1
-            assert out.token_ids[-1] == 2 and "</s>" not in out.text
+        if assert_same_tokens(out.token_ids, ref, logits, f"{arch} {p!r}", forgiveness):
+            continue
+        expected = "stop" if ref[-1] == eos else "length"
+        assert out.finish_reason == expected, f"{p!r}: {out.finish_reason}, transformers: {expected}"
+        if expected == "stop":
+            assert out.token_ids[-1] == eos and "</s>" not in out.text
+        finished.append(expected)
+    assert "stop" in finished and "length" in finished, finished
     assert outs[0].num_prompt_tokens == len(llm.tokenizer.encode(prompts[0]))
 
 
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
-def test_penalties_and_min_tokens_match_transformers(mode, tiny_model_dir, reference_model):
-    """repetition_penalty and min_tokens use transformers' semantics (prompt+output; EOS masked)."""
+def test_penalties_and_min_tokens_match_transformers(mode, tiny_model_dir, reference_model, forgiveness):
+    """repetition_penalty and min_tokens use transformers' semantics (prompt+output; EOS masked).
+    A near-tie is judged on the penalised scores transformers chose from."""
     path = tiny_model_dir("llama")
     ref_model = reference_model(path)
     llm = LLMEngine(EngineConfig(model=str(path), scheduling=mode))
@@ -95,5 +85,5 @@ def test_penalties_and_min_tokens_match_transformers(mode, tiny_model_dir, refer
     for p, out in zip(prompts, outs):
         ref, logits = reference(ref_model, llm.tokenizer.encode(p), 20, stop_at_eos=True,
                                 repetition_penalty=1.8, min_new_tokens=10)
-        assert_same_tokens(out.token_ids, ref, logits, f"penalty {p!r}")
+        assert_same_tokens(out.token_ids, ref, logits, f"penalty {p!r}", forgiveness)
         assert len(out.token_ids) >= 10

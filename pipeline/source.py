@@ -222,8 +222,11 @@ def _nth_newline(block: bytes, pos: int, n: int) -> int:
 def read_shard(storage: Storage, shard: Shard) -> tuple[list[dict], list[str], list[str | None]]:
     """(rows, derived ids, per-row parse errors) of a shard; blank JSONL lines are skipped."""
     if shard.format == "parquet":
-        with storage.fs.open(shard.file, "rb") as f:
-            table = _parquet_slice(pq.ParquetFile(f), shard.start, shard.stop)
+        try:
+            with storage.fs.open(shard.file, "rb") as f:
+                table = _parquet_slice(pq.ParquetFile(f), shard.start, shard.stop)
+        except pa.ArrowException as exc:  # a short or corrupt read: an OSError, so it is retried
+            raise OSError(f"cannot read rows {shard.start}-{shard.stop} of {shard.name}: {exc}") from exc
         if table.num_rows != shard.stop - shard.start:
             raise OSError(f"short read of {shard.name}: {table.num_rows} of {shard.stop - shard.start} rows")
         rows = table.to_pylist()
@@ -259,6 +262,8 @@ def _parquet_slice(pf: pq.ParquetFile, start: int, stop: int) -> pa.Table:
             groups.append(g)
             first_row = row if first_row is None else first_row
         row += n
+    if not groups:  # the file has fewer rows than planned: nothing of this range is left
+        return pf.schema_arrow.empty_table()
     table = pf.read_row_groups(groups)
     return table.slice(start - first_row, stop - start)
 

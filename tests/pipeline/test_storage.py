@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline import source
@@ -76,32 +78,70 @@ def test_retries_transient_errors_then_gives_up_naming_the_operation(monkeypatch
         with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), "reading z")
 
 
+class Truncating:
+    """A file whose reads return half the bytes asked for: a storage short read."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        return data[: len(data) // 2] if n is not None and n > 0 else data
+
+
+def plan(storage: Storage, rows_per_shard: int) -> list[Shard]:
+    return list(source.plan_shards(storage, source.list_inputs(storage, "auto"), rows_per_shard))
+
+
 def test_a_short_read_is_an_error_not_an_empty_shard(tmp_path, monkeypatch):
     (tmp_path / "a.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     storage = Storage(str(tmp_path))
-    shard = next(source.plan_shards(storage, source.list_inputs(storage, "auto"), 10))
+    shard, = plan(storage, 10)
+    assert (shard.start, shard.stop, shard.byte_start, shard.byte_stop) == (0, 2, 0, 32)  # the whole file
     real_open = storage.fs.open
-
-    class Truncating:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
-
-        def seek(self, n):
-            self.f.seek(n)
-
-        def read(self, n):
-            return self.f.read(n)[: n // 2]
-
     monkeypatch.setattr(storage.fs, "open", lambda *a, **k: Truncating(real_open(*a, **k)))
-    with pytest.raises(OSError, match="short read of a.jsonl"):
+    with pytest.raises(OSError, match="short read of a.jsonl: 16 of 32 bytes"):
         read_shard(storage, shard)
-    assert isinstance(shard, Shard)
+    monkeypatch.setattr(storage.fs, "open", real_open)
+    assert read_shard(storage, shard)[0] == [{"prompt": "a"}, {"prompt": "b"}]
+
+
+def test_a_parquet_short_read_is_a_retried_error_naming_the_file(tmp_path, monkeypatch):
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(20)]}), tmp_path / "a.parquet", row_group_size=5)
+    storage = Storage(str(tmp_path))
+    shards = plan(storage, 8)
+    real_open = storage.fs.open
+    monkeypatch.setattr(storage.fs, "open", lambda *a, **k: Truncating(real_open(*a, **k)))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    with pytest.raises(OSError, match=r"reading a.parquet failed after 5 attempts: cannot read rows 8-16 of a.parquet"):
+        with_retries(lambda: read_shard(storage, shards[1]), "reading a.parquet")
+    monkeypatch.setattr(storage.fs, "open", real_open)
+    assert [r["prompt"] for r in read_shard(storage, shards[1])[0]] == [f"p{i}" for i in range(8, 16)]
+
+
+def test_a_parquet_file_shorter_than_planned_loses_no_rows_silently(tmp_path):
+    """The file was replaced by a shorter one between planning and reading: the shard that now
+    ends early, and the one past the new end, fail with the rows they found."""
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(20)]}), path, row_group_size=5)
+    storage = Storage(str(tmp_path))
+    shards = plan(storage, 8)
+    assert [(s.start, s.stop) for s in shards] == [(0, 8), (8, 16), (16, 20)]
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(10)]}), path, row_group_size=5)
+    assert read_shard(storage, shards[0])[1] == [f"a.parquet:{i}" for i in range(8)]
+    with pytest.raises(OSError, match="short read of a.parquet: 2 of 8 rows"):
+        read_shard(storage, shards[1])
+    with pytest.raises(OSError, match="short read of a.parquet: 0 of 4 rows"):
+        read_shard(storage, shards[2])
 
 
 def test_redact_hides_secret_looking_options():

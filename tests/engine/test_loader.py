@@ -6,7 +6,7 @@ import hashlib
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.builtin import builtin_path
 from engine.loader import ModelLoadError
 
@@ -65,3 +65,26 @@ def test_auto_dtype_and_device_on_cpu():
     llm = LLMEngine(EngineConfig(model="builtin:tiny"))
     if not torch.cuda.is_available():
         assert llm.runner.device.type == "cpu" and llm.runner.dtype == torch.float32
+
+
+def test_a_model_on_object_storage_is_copied_to_the_cache_first(tiny_model_dir, s3_server, tmp_path):
+    import s3fs
+
+    src = tiny_model_dir("llama")
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("models")
+    for f in src.iterdir():
+        fs.put_file(str(f), f"models/tiny-llama/{f.name}")
+    cache = tmp_path / "cache"
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = LLMEngine(EngineConfig(model=str(src))).generate(["from s3"], params)[0].token_ids
+    remote = LLMEngine(EngineConfig(model="s3://models/tiny-llama", cache_dir=str(cache)))
+    assert remote.generate(["from s3"], params)[0].token_ids == expected
+    copy, = (cache / "models").iterdir()
+    assert sorted(p.name for p in copy.iterdir()) == sorted([p.name for p in src.iterdir()] + [".complete"])
+    assert digest(copy) == digest(src)
+    fs.rm("models/tiny-llama", recursive=True)  # from now on the cached copy is used
+    again = LLMEngine(EngineConfig(model="s3://models/tiny-llama/", cache_dir=str(cache)))
+    assert again.generate(["from s3"], params)[0].token_ids == expected
+    with pytest.raises(ModelLoadError, match="no files under s3://models/not-there"):
+        LLMEngine(EngineConfig(model="s3://models/not-there", cache_dir=str(cache)))

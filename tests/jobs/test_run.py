@@ -69,8 +69,9 @@ workers: {{rows_per_batch: 7}}
     table = read_output(tmp_path / "out")
     assert sorted(table["id"].to_pylist()) == sorted(f"q{f}-{i}" for f in range(2) for i in range(12))
     assert "question" not in table.column_names and "answer" in table.column_names
-    row = table.to_pylist()[0]
-    assert row["num_prompt_tokens"] == len(f"Q: what is 0?\nA:".encode()) + 1 or row["num_prompt_tokens"] > 5
+    for row in table.to_pylist():  # builtin:tiny's byte tokenizer: BOS + one token per byte of the rendered template
+        question = f"what is {row['id'].split('-')[1]}?"
+        assert row["num_prompt_tokens"] == 1 + len(f"Q: {question}\nA:".encode()), row
 
 
 def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):

@@ -118,6 +118,7 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
         created = int(record.get("created") or time.time())
         totals = execute(replace(job, created=created), files, resume, layout, run, index, progress)
     except BaseException:
+        touch_run(run)  # its generation time up to the failure counts in the job's usage
         run["status"], run["finished"] = "failed", time.time()
         write_run(out, run)
         raise

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from helpers import committed_ids, read_output, write_jsonl
+from jobs.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +25,9 @@ def job_cmd(inp: Path, out: Path) -> list[str]:
             "--set", "sampling.ignore_eos=true", "--set", "workers.num=1"]
 
 
-def start(cmd, log: Path) -> subprocess.Popen:
+def start(cmd, log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[2])
+                            cwd=Path(__file__).resolve().parents[2], env=env)
 
 
 def settle(out: Path, quiet_s: float = 3.0) -> None:
@@ -76,3 +78,74 @@ def test_driver_sigkill_mid_generation_then_rerun(tmp_path):
     assert manifest["this_run"]["rows"] <= rows - len(killed_at), "the rerun redid committed work"
     assert (out / "_SUCCESS").exists()
     assert not [p for p in (out / "data").iterdir() if p.name.startswith(".tmp-")]
+
+
+def batch_requests(n: int) -> list[dict]:
+    """OpenAI Batch request lines: chat and completions (greedy and seeded), and invalid ones."""
+    lines = []
+    for i in range(n):
+        if i % 7 == 3:
+            body, url = {"prompt": f"bad {i}", "n": 2}, "/v1/completions"  # an error line
+        elif i % 2:
+            body, url = {"model": "m", "prompt": f"Once upon {i}", "temperature": 0.8, "seed": i}, "/v1/completions"
+        else:
+            body, url = {"model": "m", "messages": [{"role": "user", "content": f"Hello {i}?"}]}, "/v1/chat/completions"
+        lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
+    return lines
+
+
+def batch_output(out: Path) -> tuple[list[dict], list[dict]]:
+    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    return read("output.jsonl"), read("errors.jsonl")
+
+
+def without_created(lines: list[dict]) -> list[dict]:
+    return [{**x, "response": {**x["response"], "body": {**x["response"]["body"], "created": None}}}
+            if x["response"] else x for x in lines]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_openai_batch_output_after_a_crash_and_resume(tmp_path):
+    """The driver is SIGKILLed with some shards committed; the rerun completes the job, and its
+    output.jsonl and errors.jsonl are what an uninterrupted run writes: every request once, in
+    input order, all lines with the job's one creation time."""
+    import ray
+
+    n, per_shard = 24, 2
+    write_jsonl(tmp_path / "requests.jsonl", batch_requests(n))
+    options = ["--set", "input.format=openai_batch", "--set", "output.format=openai_batch",
+               "--set", "max_error_rate=1", "--set", f"workers.rows_per_batch={per_shard}",
+               "--set", "sampling.max_tokens=4"]
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "requests.jsonl"), "--output", str(out), *options]
+    # the first run joins the session's Ray (no second cluster to start); each shard waits 0.3 s
+    # before its commit, so the kill lands mid-job
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, BATCHINFER_CHAOS="shard:sleep=0.3")
+    proc = start([sys.executable, "-m", "jobs.run", *args], tmp_path / "run1.log", env)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and len(list(out.glob("data/part-*"))) < 2:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be killed:\n" + (tmp_path / "run1.log").read_text()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    settle(out)
+    committed = len(list(out.glob("data/part-*")))
+    assert 0 < committed < n // per_shard and not (out / "output.jsonl").exists()
+
+    result = CliRunner().invoke(main, ["run", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["this_run"]["rows"] == n - committed * per_shard, "the rerun redid committed shards"
+    lines, errors = batch_output(out)
+    assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(n)]
+    assert errors == [x for x in lines if x["error"] is not None] and len(errors) == len(range(3, n, 7))
+    assert len({x["response"]["body"]["created"] for x in lines if x["response"]}) == 1
+
+    reference = tmp_path / "uninterrupted"
+    result = CliRunner().invoke(main, ["run", *args[:2], "--output", str(reference), *options],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    ref_lines, ref_errors = batch_output(reference)
+    assert without_created(lines) == without_created(ref_lines)
+    assert errors == ref_errors
+    assert manifest["openai_batch"] == json.loads((reference / "manifest.json").read_text())["openai_batch"]

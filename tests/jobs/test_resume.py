@@ -105,12 +105,11 @@ def without_created(lines: list[dict]) -> list[dict]:
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_openai_batch_output_after_a_crash_and_resume(tmp_path):
-    """The driver is SIGKILLed with some shards committed; the rerun completes the job, and its
-    output.jsonl and errors.jsonl are what an uninterrupted run writes: every request once, in
-    input order, all lines with the job's one creation time."""
-    import ray
-
+def test_openai_batch_output_and_usage_after_an_interrupted_run_and_resume(tmp_path):
+    """The driver is interrupted (SIGINT) with some shards committed; the rerun completes the
+    job. Its output.jsonl and errors.jsonl are what an uninterrupted run writes (every request
+    once, in input order, all lines with the job's one creation time), and its usage counts
+    both runs, the interrupted one's generation time included."""
     n, per_shard = 24, 2
     write_jsonl(tmp_path / "requests.jsonl", batch_requests(n))
     options = ["--set", "input.format=openai_batch", "--set", "output.format=openai_batch",
@@ -118,16 +117,17 @@ def test_openai_batch_output_after_a_crash_and_resume(tmp_path):
                "--set", "sampling.max_tokens=4"]
     out = tmp_path / "out"
     args = ["--input", str(tmp_path / "requests.jsonl"), "--output", str(out), *options]
-    # the first run joins the session's Ray (no second cluster to start); each shard waits 0.3 s
-    # before its commit, so the kill lands mid-job
-    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, BATCHINFER_CHAOS="shard:sleep=0.3")
+    # The first run starts its own Ray (a run that fails inside the session's Ray can leave its
+    # actor alive there); each shard waits 0.3 s before its commit, so the interrupt lands mid-job.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"BATCHINFER_CHAOS": "shard:sleep=0.3"}
+    started = time.time()
     proc = start([sys.executable, "-m", "jobs.run", *args], tmp_path / "run1.log", env)
-    deadline = time.time() + 120
-    while proc.poll() is None and time.time() < deadline and len(list(out.glob("data/part-*"))) < 2:
+    while proc.poll() is None and time.time() < started + 180 and len(list(out.glob("data/part-*"))) < 2:
         time.sleep(0.05)
-    assert proc.poll() is None, "the job ended before it could be killed:\n" + (tmp_path / "run1.log").read_text()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert proc.poll() is None, "the job ended before it could be interrupted:\n" + (tmp_path / "run1.log").read_text()
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    first_wall = time.time() - started
     settle(out)
     committed = len(list(out.glob("data/part-*")))
     assert 0 < committed < n // per_shard and not (out / "output.jsonl").exists()
@@ -140,6 +140,19 @@ def test_openai_batch_output_after_a_crash_and_resume(tmp_path):
     assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(n)]
     assert errors == [x for x in lines if x["error"] is not None] and len(errors) == len(range(3, n, 7))
     assert len({x["response"]["body"]["created"] for x in lines if x["response"]}) == 1
+
+    # usage: summed over the run records (one per run, under _runs/); a run's generation time is
+    # from its start of generation to its end, whether it completed or was interrupted
+    usage, this_run = manifest["usage"], manifest["this_run"]
+    runs = sorted((json.loads(p.read_text()) for p in (out / "_runs").glob("*.json")), key=lambda r: r["started"])
+    assert usage["runs"] == len(runs) == 2 and [r["status"] for r in runs] == ["failed", "done"]
+    first, done = runs
+    assert done["run_id"] == this_run["run_id"] and done["generate_seconds"] == this_run["generate_seconds"]
+    assert first["generate_seconds"] == pytest.approx(first["finished"] - first["generate_started"], abs=0.1)
+    assert 0 < first["generate_seconds"] < first["finished"] - first["started"] < first_wall
+    assert usage["generate_seconds"] == pytest.approx(first["generate_seconds"] + this_run["generate_seconds"])
+    assert usage["wall_seconds"] == pytest.approx(first["finished"] - first["started"] + this_run["wall_seconds"])
+    assert usage["tokens_per_second"] == pytest.approx(manifest["generated_tokens"] / usage["generate_seconds"])
 
     reference = tmp_path / "uninterrupted"
     result = CliRunner().invoke(main, ["run", *args[:2], "--output", str(reference), *options],

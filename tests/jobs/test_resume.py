@@ -1,5 +1,5 @@
-"""Exactly once across a crash: SIGKILL the driver (and everything it started) mid-job, rerun,
-and find every input id exactly once, with the rerun doing only the remaining work."""
+"""Exactly once across a crash: SIGKILL (or interrupt) the driver mid-job, rerun, and find every
+input id exactly once, with the rerun doing only the remaining work."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from chaos.harness import hook_env
 from helpers import committed_ids, read_output, write_jsonl
 from jobs.cli import main
 
@@ -119,7 +120,7 @@ def test_openai_batch_output_and_usage_after_an_interrupted_run_and_resume(tmp_p
     args = ["--input", str(tmp_path / "requests.jsonl"), "--output", str(out), *options]
     # The first run starts its own Ray (a run that fails inside the session's Ray can leave its
     # actor alive there); each shard waits 0.3 s before its commit, so the interrupt lands mid-job.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"BATCHINFER_CHAOS": "shard:sleep=0.3"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | hook_env("shard:sleep=0.3")
     started = time.time()
     proc = start([sys.executable, "-m", "jobs.run", *args], tmp_path / "run1.log", env)
     while proc.poll() is None and time.time() < started + 180 and len(list(out.glob("data/part-*"))) < 2:

@@ -75,8 +75,9 @@ def execute(job: Job, files: list, resume: bool, layout: int, run: dict, index: 
     )
     totals, earlier = PartTotals(), 0
     progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
+    rows = iter(ds.iter_rows())
     try:
-        for row in ds.iter_rows():
+        for row in rows:
             record = json.loads(row["record"])
             index.add(record)
             totals.add(record)
@@ -90,6 +91,9 @@ def execute(job: Job, files: list, resume: bool, layout: int, run: dict, index: 
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         raise JobError(worker_cause(exc)) from exc
     finally:
+        # Closing the stream shuts Ray Data's executor down now: after a failure, the engine
+        # actors must not live on for as long as the caller keeps the exception (Airflow, tests).
+        getattr(rows, "close", lambda: None)()
         progress.close()
     index.flush()
     return totals

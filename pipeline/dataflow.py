@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from engine.errors import one_line
 from pipeline import chaos
 from pipeline.index import IndexWriter
-from pipeline.planner import planned_dataset
+from pipeline.planner import ShardPlan, planned_dataset
 from pipeline.report import PartTotals
 from pipeline.sink import SUMMARY_FIELDS
 from pipeline.source import InputError
@@ -58,7 +58,7 @@ def quiet_ray_data() -> None:
         detectors.high_memory_detector_config.detection_time_interval_s = -1
 
 
-def execute(job: Job, files: list, resume: bool, layout: int, run: dict, index: IndexWriter,
+def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: dict, index: IndexWriter,
             progress) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
     `index` and to the returned totals; the counts of shards committed now are added to `run`."""
@@ -67,7 +67,7 @@ def execute(job: Job, files: list, resume: bool, layout: int, run: dict, index: 
     quiet_ray_data()
     workers = job.spec.workers
     chaos_env = chaos.forwarded_env()
-    ds = planned_dataset(job.spec, files, resume, layout).map_batches(
+    ds = planned_dataset(job.spec, files, resume, plan).map_batches(
         ShardWorker, fn_constructor_kwargs={"job": job}, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=workers.num),
         num_cpus=workers.cpus, num_gpus=workers.gpus or None,

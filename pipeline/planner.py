@@ -3,22 +3,27 @@
 The driver only lists the input files. Each planning task takes a block of them, reads Parquet
 footers and JSONL line ends (pipeline.source.plan_file), and emits that block's shards; the
 actor pool starts on the first block's shards while later blocks are still being planned, so
-no process ever holds the whole plan. On a resume a task also marks the shards whose part is
-already committed (one existence check per shard, plus its commit record), and the actors pass
-those through without work. Each task records what it planned under _plan/, so a partial
-report can say how many shards the input has.
+no process ever holds the whole plan. A JSONL file larger than SEGMENT_BYTES is planned in byte
+segments by parallel tasks (pipeline.source.plan_segment); each numbers its lines once a small
+actor (LineSequencer) has the line counts of the segments before it.
+
+On a resume a task also marks the shards whose part is already committed (one existence check
+per shard, plus its commit record), and the actors pass those through without work. Each task
+records what it planned under _plan/, so a partial report can say how many shards the input has.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import pyarrow as pa
 
 from pipeline.sink import PLAN_DIR, OutputDir
-from pipeline.source import Shard, plan_file
+from pipeline.source import InputError, Shard, plan_file, plan_segment
 from pipeline.storage import Storage, with_retries
 
 if TYPE_CHECKING:
@@ -38,8 +43,74 @@ MAX_PLAN_BLOCKS = 1000
 PLAN_TASK_MEMORY = 128 << 20
 """Memory reserved per planning task (it reads 8 MiB blocks and holds one block's shards)."""
 
+SEGMENT_BYTES = 256 << 20
+"""A JSONL file larger than this is planned in segments of this many bytes, each by its own
+task, so one huge file is planned in parallel and its first shards start after one segment.
+Recorded in _job.json when an output starts, so a resume cuts the same shards."""
+
 LEGACY_ROWS_PER_SHARD = 256
 """Layout-1 outputs (before shard_bytes) were planned by rows only, 256 by default."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How an output's input is cut into shards. Fixed when the output starts (_job.json), so
+    every resume cuts the same shards, with the same keys."""
+
+    rows: int | None
+    """Rows that end a shard (None: no row limit)."""
+    bytes: int | None
+    """Input bytes that end a shard, at the next line end (None: by rows only)."""
+    segment_bytes: int | None = None
+    """JSONL files larger than this are planned in segments of this size (None: whole files)."""
+
+
+def new_plan_record() -> dict:
+    """The _job.json fields that fix the shard plan of an output started now."""
+    return {"shard_plan": "segments", "segment_bytes": SEGMENT_BYTES}
+
+
+def shard_plan(spec: JobSpec, record: dict) -> ShardPlan:
+    """The shard plan of an output, from its _job.json record. Outputs of earlier versions keep
+    theirs: rows only (no `shard_plan`), or bytes with whole files ("bytes")."""
+    workers, kind = spec.workers, record.get("shard_plan")
+    if kind is None:
+        return ShardPlan(workers.rows_per_batch or LEGACY_ROWS_PER_SHARD, None)
+    if kind == "bytes":
+        return ShardPlan(workers.rows_per_batch, workers.shard_bytes)
+    if kind == "segments" and isinstance(record.get("segment_bytes"), int):
+        return ShardPlan(workers.rows_per_batch, workers.shard_bytes, record["segment_bytes"])
+    raise InputError(f"the output was started by a newer batchinfer (shard plan {kind!r}); "
+                     "upgrade batchinfer to resume it, or use --overwrite")
+
+
+class Unit(NamedTuple):
+    """What a planning task plans: a whole file, or one byte segment of a large JSONL file."""
+
+    path: str
+    name: str
+    format: str
+    size: int | None
+    segment: int = 0
+    segments: int = 1
+    start: int = 0
+    stop: int = -1
+    """Segment bytes [start, stop); -1 for a whole file."""
+
+
+def plan_units(files: list, segment_bytes: int | None = None) -> list[Unit]:
+    """The units of `files`, in order: JSONL files larger than `segment_bytes` (by the listing's
+    sizes) in segments, every other file whole."""
+    sizes = getattr(files, "sizes", None) or [None] * len(files)
+    units = []
+    for (path, name, fmt), size in zip(files, sizes):
+        if not segment_bytes or fmt != "jsonl" or size is None or size <= segment_bytes:
+            units.append(Unit(path, name, fmt, size))
+            continue
+        n = -(-size // segment_bytes)
+        units += [Unit(path, name, fmt, min(size, (k + 1) * segment_bytes) - k * segment_bytes, k, n,
+                       k * segment_bytes, min(size, (k + 1) * segment_bytes)) for k in range(n)]
+    return units
 
 SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format", pa.string()),
                           ("start", pa.int64()), ("stop", pa.int64()), ("byte_start", pa.int64()),
@@ -47,12 +118,12 @@ SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format
 """A planned shard as a Ray Data row; `committed` = its commit record (JSON) if already done, else ""."""
 
 
-def plan_groups(files: list) -> list[list[int]]:
-    """The input files (indices, in order) each planning task takes: consecutive files, at most
+def plan_groups(units: list[Unit]) -> list[list[int]]:
+    """The units (indices, in order) each planning task takes: consecutive units, at most
     FILES_PER_PLAN_TASK of them and BYTES_PER_PLAN_TASK bytes, both limits raised as needed to
     stay within MAX_PLAN_BLOCKS tasks. Sizes come from the listing (`InputFiles.sizes`)."""
-    n = len(files)
-    sizes = getattr(files, "sizes", None) or [None] * n
+    n = len(units)
+    sizes = [u.size for u in units]
     per_task = max(FILES_PER_PLAN_TASK, -(-n // MAX_PLAN_BLOCKS))
     known = [b for b in sizes if b is not None]
     byte_cap = max(BYTES_PER_PLAN_TASK, -(-sum(known) // MAX_PLAN_BLOCKS) if known else 0)
@@ -72,54 +143,54 @@ def plan_groups(files: list) -> list[list[int]]:
         byte_cap *= 2  # greedy packing left too many tasks: looser byte limit
 
 
-def plan_blocks(files: list) -> int:
+def plan_blocks(files: list, segment_bytes: int | None = None) -> int:
     """How many planning tasks plan `files`."""
-    return len(plan_groups(files))
+    return len(plan_groups(plan_units(files, segment_bytes)))
 
 
-def shard_limits(spec: JobSpec, layout: int) -> tuple[int | None, int | None]:
-    """(rows, bytes) that end a shard. Layout 1 is planned as it was, so its shard keys match."""
-    workers = spec.workers
-    if layout == 1:
-        return workers.rows_per_batch or LEGACY_ROWS_PER_SHARD, None
-    return workers.rows_per_batch, workers.shard_bytes
-
-
-def planned_dataset(spec: JobSpec, files: list[tuple[str, str, str]], resume: bool, layout: int):
+def planned_dataset(spec: JobSpec, files: list[tuple[str, str, str]], resume: bool, plan: ShardPlan):
     """A Ray Dataset of shard rows (SHARD_SCHEMA), planned by Ray tasks as it is consumed."""
     import ray
 
-    # One item per planning task, holding its files, so that the tasks are what plan_groups says.
-    groups = plan_groups(files)
-    items = [{"path": [files[i][0] for i in g], "name": [files[i][1] for i in g], "format": [files[i][2] for i in g]}
-             for g in groups]
+    # One item per planning task, holding its units, so that the tasks are what plan_groups says.
+    units = plan_units(files, plan.segment_bytes)
+    groups = plan_groups(units)
+    items = [{f: [units[i][k] for i in g] for k, f in enumerate(Unit._fields) if f != "size"} for g in groups]
     blocks = len(groups)
+    sequencer = None
+    if any(u.segments > 1 for u in units):
+        sequencer = ray.remote(num_cpus=0, max_concurrency=100_000)(LineSequencer).remote()
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     # Planning tasks reserve no CPU: they are I/O-bound, and the engine actors may hold every
     # CPU of the cluster (planning would then never be scheduled and the job would hang); at most
     # one runs per CPU of the cluster, so they cannot start hundreds of worker processes. Their
     # memory request, which the actors do not make, keeps Ray Data from fusing planning into the
     # actors: it runs in its own tasks, ahead of the actors, not inside them between shards.
-    return ds.map_batches(plan_block, fn_kwargs={"spec": spec, "resume": resume, "layout": layout},
+    tasks = max(1, min(blocks, int(ray.cluster_resources().get("CPU", 1))))
+    return ds.map_batches(plan_block, fn_kwargs={"spec": spec, "resume": resume, "plan": plan, "sequencer": sequencer},
                           batch_size=None, batch_format="pyarrow", num_cpus=0, memory=PLAN_TASK_MEMORY,
-                          concurrency=max(1, min(blocks, int(ray.cluster_resources().get("CPU", 1)))))
+                          compute=ray.data.TaskPoolStrategy(size=tasks))
 
 
-def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, layout: int) -> pa.Table:
-    """Ray Data stage: the shards of a block of input files, committed ones marked."""
+def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, sequencer=None) -> pa.Table:
+    """Ray Data stage: the shards of a block of units (files or segments), committed ones marked."""
+    import ray
+
     storage = Storage(spec.input.path, spec.input.storage_options)
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
-    rows, nbytes = shard_limits(spec, layout)
     started = time.perf_counter()
-    def column(name: str) -> list:
-        return [v for group in batch.column(name).to_pylist() for v in group]
-
-    names = column("name")
+    columns = {f: [v for group in batch.column(f).to_pylist() for v in group] for f in Unit._fields if f != "size"}
+    units = [Unit(**{f: columns[f][i] for f in columns}, size=None) for i in range(len(columns["path"]))]
     shards: list[Shard] = []
-    for path, name, fmt in zip(column("path"), names, column("format")):
-        shards += plan_file(storage, path, name, fmt, rows, nbytes, attempts=5)
+    for u in units:
+        if u.segments == 1:
+            shards += plan_file(storage, u.path, u.name, u.format, plan.rows, plan.bytes, attempts=5)
+            continue
+        local, lines = plan_segment(storage, u.path, u.name, u.start, u.stop, plan.rows, plan.bytes, attempts=5)
+        before = ray.get(sequencer.offset.remote(u.name, u.segment, lines))
+        shards += [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
     committed = [_committed(out, s) if resume else "" for s in shards]
-    _record(out, names, shards, time.perf_counter() - started)
+    _record(out, units, shards, time.perf_counter() - started)
     columns = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names[:-1]}
     return pa.table({**columns, "committed": committed}, schema=SHARD_SCHEMA)
 
@@ -137,9 +208,42 @@ def _committed(out: OutputDir, shard: Shard) -> str:
     return json.dumps({**record, **shard_identity(out, shard)})
 
 
-def _record(out: OutputDir, names: list[str], shards: list[Shard], seconds: float) -> None:
-    key = hashlib.sha1("\0".join(names).encode()).hexdigest()[:20]
-    data = {"files": len(names), "shards": len(shards), "rows": sum(s.stop - s.start for s in shards),
-            "seconds": seconds}
+def _record(out: OutputDir, units: list[Unit], shards: list[Shard], seconds: float) -> None:
+    key = hashlib.sha1("\0".join(f"{u.name}#{u.segment}" if u.segments > 1 else u.name
+                                  for u in units).encode()).hexdigest()[:20]
+    data = {"files": sum(u.segment == 0 for u in units), "segments": sum(u.segments > 1 for u in units),
+            "shards": len(shards), "rows": sum(s.stop - s.start for s in shards), "seconds": seconds}
     path = out.storage.path(PLAN_DIR, f"{key}.json")
     with_retries(lambda: out.storage.write_atomic(path, json.dumps(data).encode()), "writing a plan record")
+
+
+class LineSequencer:
+    """Numbers the lines of JSONL files planned in segments. Each segment's planning task reports
+    its line count and gets back the number of lines before its segment, as soon as every earlier
+    segment of the file has reported. One per job, as an async Ray actor that needs no CPU.
+
+    Ray Data starts planning tasks in input order and a task reports before it waits, so the
+    earliest segment still unreported is always running: the waits cannot deadlock. A retried
+    task reports the same count again, which changes nothing."""
+
+    def __init__(self):
+        self._before: dict[str, list[int]] = {}  # file -> lines before segment k, for the k known
+        self._counts: dict[str, dict[int, int]] = {}  # file -> counts reported ahead of the known ones
+        self._waiting: dict[tuple[str, int], list[asyncio.Future]] = {}
+
+    async def offset(self, name: str, segment: int, lines: int) -> int:
+        before = self._before.setdefault(name, [0])
+        counts = self._counts.setdefault(name, {})
+        if segment >= len(before) - 1:
+            counts[segment] = lines
+        known = len(before)
+        while len(before) - 1 in counts:
+            before.append(before[-1] + counts.pop(len(before) - 1))
+        for k in range(known, len(before)):
+            for future in self._waiting.pop((name, k), []):
+                future.set_result(before[k])
+        if segment < len(before):
+            return before[segment]
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault((name, segment), []).append(future)
+        return await future

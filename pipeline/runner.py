@@ -22,12 +22,13 @@ from pipeline.index import IndexWriter
 from pipeline.job import Job
 from pipeline.lock import LockHeld, RunLock
 from pipeline.manifest import build_manifest, final_files
-from pipeline.planner import plan_blocks
+from pipeline.planner import ShardPlan, new_plan_record, plan_blocks, shard_plan
 from pipeline.preflight import check_model, preflight
 from pipeline.progress import as_progress
 from pipeline.report import PartTotals, new_run, plan_summary, touch_run, write_run
 from pipeline.resources import ResourceError, check_resources
 from pipeline.sink import PLAN_DIR, OutputDir
+from pipeline.source import InputError
 from pipeline.storage import Storage, redact
 from pipeline.unique_ids import check_unique_ids
 
@@ -102,13 +103,16 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
     write_run(out, run)
     chaos.point("listed")
     resume = out.storage.exists(out.storage.path("data"))
-    _start_plan(out, record, files)
+    try:
+        plan = shard_plan(job.spec, record)
+    except InputError as exc:
+        raise JobError(str(exc)) from None
+    _start_plan(out, record, files, plan)
     progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))
-    layout = 2 if record.get("shard_plan") == "bytes" else 1
     if job.spec.input.id_column and not record.get("ids_unique"):
         progress("checking that id_column values are unique")
-        check_unique_ids(job.spec, files, layout)
+        check_unique_ids(job.spec, files, plan)
         record["ids_unique"] = True
         out.write_json("_job.json", record)
     index = IndexWriter(out, run["run_id"])
@@ -116,7 +120,7 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
         created = int(record.get("created") or time.time())
-        totals = execute(replace(job, created=created), files, resume, layout, run, index, progress)
+        totals = execute(replace(job, created=created), files, resume, plan, run, index, progress)
     except BaseException:
         touch_run(run)  # its generation time up to the failure counts in the job's usage
         run["status"], run["finished"] = "failed", time.time()
@@ -147,10 +151,10 @@ def _complete(job: Job, out: OutputDir, record: dict, run: dict, index: IndexWri
     return _result(manifest["status"], out, manifest, run)
 
 
-def _start_plan(out: OutputDir, record: dict, files) -> None:
+def _start_plan(out: OutputDir, record: dict, files, plan: ShardPlan) -> None:
     """Clears the planning records of earlier runs and notes how many this run's tasks write."""
     out.storage.remove_tree(out.storage.path(PLAN_DIR))
-    blocks = plan_blocks(files)
+    blocks = plan_blocks(files, plan.segment_bytes)
     if record.get("plan_blocks") != blocks:
         record["plan_blocks"] = blocks
         out.write_json("_job.json", record)
@@ -167,7 +171,7 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
             raise OutputConflict(_conflict(job, record))
         if record is None:
             spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
-            record = {"fingerprint": job.fingerprint, "created": time.time(), "shard_plan": "bytes",
+            record = {"fingerprint": job.fingerprint, "created": time.time(), **new_plan_record(),
                       "spec": redact(spec)}
             out.write_json("_job.json", record)
         return record

@@ -169,10 +169,10 @@ def _jsonl_shards(storage: Storage, path: str, name: str, rows: int, shard_bytes
 class _Cutter:
     """The state of one JSONL file's planning: where the open shard starts and its lines so far."""
 
-    def __init__(self, path: str, name: str, rows: int, shard_bytes: int):
+    def __init__(self, path: str, name: str, rows: int, shard_bytes: int, offset: int = 0):
         self.path, self.name, self.rows, self.shard_bytes = path, name, rows, shard_bytes
-        self.offset = 0  # file offset of the current block
-        self.line, self.byte = 0, 0  # first line and byte of the open shard
+        self.offset = offset  # file offset of the current block
+        self.line, self.byte = 0, offset  # first line (counted from where planning started) and byte of the open shard
         self.lines = 0  # complete lines in the open shard so far
         self.last = b"\n"
 
@@ -208,6 +208,53 @@ class _Cutter:
         lines = self.lines + (self.last != b"\n")  # a last line without a trailing newline
         if lines:
             yield self._shard(lines, self.offset)
+
+
+def plan_segment(storage: Storage, path: str, name: str, start: int, stop: int, rows_per_shard: int | None,
+                 shard_bytes: int | None, attempts: int = 1) -> tuple[list[Shard], int]:
+    """The shards of one byte segment [start, stop) of a JSONL file, and its line count. The
+    segment holds the lines that start in it, so consecutive segments hold each line once and
+    each can be planned without the others. Line numbers count from the segment's first line:
+    the caller adds the lines of the segments before it (pipeline.planner sequences them)."""
+    def plan() -> tuple[list[Shard], int]:
+        with storage.fs.open(path, "rb") as f:
+            first = _line_start(f, start)
+            if first >= stop:  # no line starts here (one line spans the whole segment)
+                return [], 0
+            f.seek(first)
+            cut = _Cutter(path, name, rows_per_shard or 0, shard_bytes or 0, offset=first)
+            shards, pos = [], first
+            while True:
+                block = f.read(BLOCK)
+                if not block:
+                    break
+                end = block.find(b"\n", max(0, stop - 1 - pos)) if pos + len(block) >= stop else -1
+                shards += cut.feed(block if end < 0 else block[: end + 1])
+                if end >= 0:  # the segment ends at the first line start at or after `stop`
+                    break
+                pos += len(block)
+            shards += cut.finish()
+            return shards, cut.line
+    try:
+        return with_retries(plan, f"planning {name} bytes {start}-{stop}", attempts=attempts)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"cannot read {storage.uri(path)}: {exc}") from exc
+
+
+def _line_start(f, offset: int) -> int:
+    """The first line start at or after `offset` (the file's size if none)."""
+    if offset == 0:
+        return 0
+    f.seek(offset - 1)
+    pos = offset - 1
+    while True:
+        block = f.read(1 << 16)
+        if not block:
+            return pos
+        i = block.find(b"\n")
+        if i >= 0:
+            return pos + i + 1
+        pos += len(block)
 
 
 def _nth_newline(block: bytes, pos: int, n: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.planner import planned_dataset
+from pipeline.planner import ShardPlan, planned_dataset
 from pipeline.source import Shard, read_shard
 from pipeline.storage import Storage, with_retries
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeline.spec import JobSpec
 
 
-def check_unique_ids(spec: JobSpec, files: list, layout: int) -> None:
+def check_unique_ids(spec: JobSpec, files: list, plan: ShardPlan) -> None:
     """Raises JobError naming the first duplicate id found (Ray must be initialised)."""
     from ray.data.expressions import col
 
@@ -26,7 +26,7 @@ def check_unique_ids(spec: JobSpec, files: list, layout: int) -> None:
 
     quiet_ray_data()
     column = spec.input.id_column
-    ds = planned_dataset(spec, files, resume=False, layout=layout)
+    ds = planned_dataset(spec, files, resume=False, plan=plan)
     ds = ds.map_batches(shard_ids, fn_kwargs={"spec": spec}, batch_size=1, batch_format="numpy")
     try:
         dup = ds.groupby("id").count().filter(expr=col("count()") > 1).take(1)

@@ -74,3 +74,69 @@ def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 1 and len(errors) == 1 and "--set workers.rows_per_batch=256" in errors[0], text
     assert not (out / "data").exists()
+
+
+def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes(tmp_path, monkeypatch):
+    """A file of many segments: several planning tasks, one line sequencer, the ids and row
+    order of a whole-file plan, and a resume that finds the same shards."""
+    from pipeline import planner
+
+    monkeypatch.setattr(planner, "SEGMENT_BYTES", 300)
+    rows = [{"prompt": f"{i} " + "y" * (i * 53 % 400)} for i in range(60)]  # some lines span segments
+    write_jsonl(tmp_path / "in" / "big.jsonl", rows)
+    write_jsonl(tmp_path / "in" / "small.jsonl", [{"prompt": "s"}])
+    out = tmp_path / "out"
+    args = ["--input", tmp_path / "in", "--output", out, "--set", "model=builtin:echo",
+            "--set", "workers.shard_bytes=700", "--set", "sampling.max_tokens=1"]
+    code, text = run(*args)
+    assert code == 0, text
+    job = json.loads((out / "_job.json").read_text())
+    size = (tmp_path / "in" / "big.jsonl").stat().st_size
+    segments = -(-size // 300)  # 8 to a planning task (FILES_PER_PLAN_TASK), as they are small
+    assert job["shard_plan"] == "segments" and job["segment_bytes"] == 300
+    assert job["plan_blocks"] == -(-(segments + 1) // 8)
+    records = [json.loads(p.read_text()) for p in (out / "_plan").glob("*.json")]
+    assert sum(r["segments"] for r in records) == segments and sum(r["files"] for r in records) == 2
+    expected = sorted([f"big.jsonl:{i}" for i in range(60)] + ["small.jsonl:0"])
+    table = read_output(out)
+    assert sorted(table["id"].to_pylist()) == expected
+    assert all(p.startswith(i.split(":")[1] + " ") for i, p in zip(table["id"].to_pylist(),
+                                                                    table["prompt"].to_pylist()) if "big" in i)
+    parts = sorted((out / "data").iterdir())
+    for name in ("manifest.json", "_SUCCESS"):
+        (out / name).unlink()
+    for part in parts[1::2]:
+        part.unlink()
+    monkeypatch.setattr(planner, "SEGMENT_BYTES", 10_000)  # the output's own segment size wins
+    code, text = run(*args)
+    assert code == 0, text
+    assert sorted(committed_ids(out)) == expected and len(list((out / "data").iterdir())) == len(parts)
+    assert f"{len(parts) - len(parts[1::2])} committed earlier" in text
+
+
+def test_an_output_planned_by_whole_files_resumes_so(tmp_path, monkeypatch):
+    """An output started before segments ("shard_plan": "bytes") keeps whole-file shards on a
+    resume, whatever the segment size now; a shard plan from a newer version is refused."""
+    from pipeline import planner, runner
+
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{i} " + "z" * 300} for i in range(20)])
+    out = tmp_path / "out"
+    args = ["--input", tmp_path / "in.jsonl", "--output", out, "--set", "model=builtin:echo",
+            "--set", "workers.shard_bytes=2000", "--set", "sampling.max_tokens=1"]
+    monkeypatch.setattr(runner, "new_plan_record", lambda: {"shard_plan": "bytes"})
+    assert run(*args)[0] == 0
+    parts = sorted((out / "data").iterdir())
+    for name in ("manifest.json", "_SUCCESS"):
+        (out / name).unlink()
+    parts[0].unlink()
+    monkeypatch.setattr(planner, "SEGMENT_BYTES", 1000)
+    code, text = run(*args)
+    assert code == 0, text
+    assert sorted(committed_ids(out)) == sorted(f"in.jsonl:{i}" for i in range(20))
+    assert len(list((out / "data").iterdir())) == len(parts) and "segments" not in (out / "_job.json").read_text()
+    job = json.loads((out / "_job.json").read_text())
+    (out / "_job.json").write_text(json.dumps({**job, "shard_plan": "pages"}))
+    (out / "_SUCCESS").unlink()
+    code, text = run(*args)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "newer batchinfer" in errors[0], text

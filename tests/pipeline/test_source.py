@@ -143,12 +143,80 @@ def test_planning_tasks_take_few_files_and_large_files_alone(monkeypatch):
         files.sizes = list(sizes)
         return files
 
+    def groups(sizes):
+        return planner.plan_groups(planner.plan_units(listing(sizes)))
+
     mib = 1 << 20
-    assert planner.plan_groups(listing([mib] * 20)) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+    assert groups([mib] * 20) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
     big = planner.BYTES_PER_PLAN_TASK
-    assert planner.plan_groups(listing([mib, big, mib, mib, 2 * big, mib])) == [[0], [1], [2, 3], [4], [5]]
-    assert planner.plan_groups(listing([None] * 9)) == [list(range(8)), [8]]  # no sizes: by count
-    monkeypatch.setattr(planner, "MAX_PLAN_BLOCKS", 3)  # the cap wins: limits are raised
-    groups = planner.plan_groups(listing([big] * 10))
-    assert len(groups) <= 3 and sorted(i for g in groups for i in g) == list(range(10))
+    assert groups([mib, big, mib, mib, 2 * big, mib]) == [[0], [1], [2, 3], [4], [5]]
+    assert groups([None] * 9) == [list(range(8)), [8]]  # no sizes: by count
     assert planner.plan_blocks(listing([mib] * 20)) == 3
+    # in segments, a large JSONL file is planned by several tasks; a Parquet file stays whole
+    units = planner.plan_units(listing([mib, 2 * big + 5, mib]), segment_bytes=big)
+    assert [(u.segment, u.segments, u.start, u.stop) for u in units] == [
+        (0, 1, 0, -1), (0, 3, 0, big), (1, 3, big, 2 * big), (2, 3, 2 * big, 2 * big + 5), (0, 1, 0, -1)]
+    assert planner.plan_groups(units) == [[0], [1], [2], [3, 4]]
+    assert planner.plan_blocks(listing([mib, 2 * big + 5]), big) == 4
+    parquet = listing([3 * big])
+    parquet[0] = ("/in/0", "0", "parquet")
+    assert len(planner.plan_units(parquet, big)) == 1
+    monkeypatch.setattr(planner, "MAX_PLAN_BLOCKS", 3)  # the cap wins: limits are raised
+    capped = groups([big] * 10)
+    assert len(capped) <= 3 and sorted(i for g in capped for i in g) == list(range(10))
+
+
+@pytest.mark.parametrize("segment", [1, 7, 50, 333, 10_000])
+@pytest.mark.parametrize("shard_bytes,rows_cap", [(64, None), (1 << 20, None), (100, 3)])
+@pytest.mark.parametrize("trailing_newline", [True, False])
+def test_segments_planned_apart_cover_every_line_once_with_its_number(tmp_path, monkeypatch, segment, shard_bytes,
+                                                                      rows_cap, trailing_newline):
+    """Byte segments planned independently, their lines numbered by the counts of the segments
+    before them, give shards that read every line exactly once with the ids of a whole-file plan:
+    lines longer than a segment, blank lines and a last line without a newline included."""
+    monkeypatch.setattr(source, "BLOCK", 32)
+    data = [{"prompt": "p" * (i * 37 % 211), "n": i} for i in range(45)]
+    write_jsonl(tmp_path / "a.jsonl", data, trailing_newline=trailing_newline, blank_every=7)
+    storage = Storage(str(tmp_path))
+    path = str(tmp_path / "a.jsonl")
+    size = (tmp_path / "a.jsonl").stat().st_size
+    shards, before = [], 0
+    for start in range(0, size, segment):
+        local, lines = source.plan_segment(storage, path, "a.jsonl", start, min(size, start + segment), rows_cap,
+                                           shard_bytes)
+        assert all(s.start >= 0 and s.stop <= lines for s in local)
+        shards += [source.Shard(s.file, s.name, s.format, s.start + before, s.stop + before, s.byte_start,
+                                s.byte_stop) for s in local]
+        before += lines
+    ids, rows = [], []
+    for shard in shards:
+        r, i, _ = read_shard(storage, shard)
+        rows += r
+        ids += i
+    _, whole, _ = all_rows(storage, 1000)
+    assert ids == whole and [r["n"] for r in rows] == list(range(45))
+    assert [(a.stop, a.byte_stop) for a in shards[:-1]] == [(b.start, b.byte_start) for b in shards[1:]]
+    assert shards[0].byte_start == 0 and shards[-1].byte_stop == size
+    if segment >= size:  # one segment is the whole-file plan
+        assert shards == list(plan_shards(storage, list_inputs(storage, "auto"), rows_cap, shard_bytes))
+
+
+def test_the_line_sequencer_answers_each_segment_once_those_before_it_reported():
+    import asyncio
+
+    from pipeline.planner import LineSequencer
+
+    async def scenario():
+        seq = LineSequencer()
+        late = [asyncio.ensure_future(seq.offset("a", k, n)) for k, n in ((3, 4), (2, 5))]
+        other = await seq.offset("b", 0, 9)  # files are numbered apart
+        await asyncio.sleep(0)
+        assert not any(f.done() for f in late)
+        first = await seq.offset("a", 0, 10)
+        await asyncio.sleep(0)
+        assert not any(f.done() for f in late)
+        second = await seq.offset("a", 1, 0)  # a segment with no line start
+        again = await seq.offset("a", 1, 0)  # a retried task
+        return other, first, second, again, [await f for f in late], await seq.offset("a", 4, 1)
+
+    assert asyncio.run(scenario()) == (0, 0, 10, 10, [15, 10], 19)

@@ -2,6 +2,7 @@
 import pytest
 
 from pipeline.dataflow import JobError
+from pipeline.planner import ShardPlan
 from pipeline.source import list_inputs
 from pipeline.spec import validate
 from pipeline.storage import Storage
@@ -22,7 +23,8 @@ def test_duplicates_across_files_and_shards_are_named(tmp_path):
     (tmp_path / "in" / "b.jsonl").write_text('{"id": "r7", "prompt": "again"}\n')
     spec = spec_for(tmp_path / "in", tmp_path / "out")
     files = list_inputs(Storage(str(tmp_path / "in")), "auto")
+    plan = ShardPlan(4, 1 << 20, segment_bytes=200)  # a.jsonl in 5 segments
     with pytest.raises(JobError, match="duplicate id 'r7' in column 'id'"):
-        check_unique_ids(spec, files, layout=2)
+        check_unique_ids(spec, files, plan)
     (tmp_path / "in" / "b.jsonl").write_text('{"id": "r99", "prompt": "fresh"}\n')
-    check_unique_ids(spec, files, layout=2)
+    check_unique_ids(spec, files, plan)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -91,7 +92,7 @@ def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
         found = {p: d for p, d in fs.glob(root, detail=True).items() if d.get("type") != "directory"}
     elif fs.isdir(root):
         base = root
-        found = fs.find(root, detail=True)
+        found = _find(fs, root)
     elif fs.exists(root):
         base, found = posixpath.dirname(root), {root: fs.info(root)}
     else:
@@ -110,6 +111,32 @@ def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
     files.sizes = [n if isinstance(n, int) else None for n in sizes]
     files.total_bytes = sum(sizes) if all(isinstance(n, int) for n in sizes) else None
     return files
+
+
+LIST_THREADS = 32
+"""Subfolders of the input root listed at once (object-store LISTs are sequential per prefix)."""
+
+
+def _find(fs, root: str) -> dict:
+    """Every file under `root`, with its details: the top level in one listing, then each
+    subfolder in a thread of its own, so a partitioned dataset (`date=.../part-*.parquet`) on
+    object storage is listed in parallel, one paginated listing per subfolder. Hidden and
+    underscore subfolders (`_temporary`, `.cache`) are not descended."""
+    found, folders = {}, []
+    for entry in fs.ls(root, detail=True):
+        path = entry["name"].rstrip("/")
+        if path == root.rstrip("/"):
+            continue  # some object stores list a folder marker as an entry of itself
+        if entry.get("type") == "directory":
+            if not posixpath.basename(path).startswith((".", "_")):
+                folders.append(path)
+        else:
+            found[path] = entry
+    if folders:
+        with ThreadPoolExecutor(min(LIST_THREADS, len(folders))) as pool:
+            for part in pool.map(lambda folder: fs.find(folder, detail=True), folders):
+                found.update(part)
+    return found
 
 
 def plan_shards(storage: Storage, files, rows_per_shard: int | None,

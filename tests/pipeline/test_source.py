@@ -74,6 +74,40 @@ def test_listing_directories_globs_and_hidden_files(tmp_path):
     assert names == ["b.jsonl"]
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_subfolders_are_listed_in_parallel_and_hidden_ones_not_at_all(tmp_path, request, monkeypatch, where):
+    """A partitioned input: the top level is listed once and each visible subfolder by its own
+    thread (three listings meet at a barrier, which fails if they run one after another); the
+    files, names and sizes are those of a plain recursive listing."""
+    import threading
+
+    for part in ("date=1", "date=2", "date=3/hour=0", "_temporary"):
+        (tmp_path / part).mkdir(parents=True)
+        write_jsonl(tmp_path / part / "p.jsonl", [{"prompt": part}])
+    write_jsonl(tmp_path / "top.jsonl", [{"prompt": "t"}])
+    if where == "s3":
+        import s3fs
+
+        endpoint = request.getfixturevalue("s3_server")
+        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).put(
+            f"{tmp_path}/", "list-parallel/in/", recursive=True)
+        storage = Storage("s3://list-parallel/in", {"endpoint_url": endpoint})
+    else:
+        storage = Storage(str(tmp_path))
+    find, barrier, listed = storage.fs.find, threading.Barrier(3, timeout=10), []
+
+    def meet(path, **kw):
+        listed.append(path.rsplit("/", 1)[-1])
+        barrier.wait()
+        return find(path, **kw)
+
+    monkeypatch.setattr(storage.fs, "find", meet)
+    files = list_inputs(storage, "auto")
+    assert sorted(listed) == ["date=1", "date=2", "date=3"]
+    assert [n for _, n, _ in files] == ["date=1/p.jsonl", "date=2/p.jsonl", "date=3/hour=0/p.jsonl", "top.jsonl"]
+    assert files.sizes == [(tmp_path / n).stat().st_size for _, n, _ in files]
+
+
 def test_no_inputs_is_fatal(tmp_path):
     with pytest.raises(InputError, match="no input files"):
         list_inputs(Storage(str(tmp_path)), "auto")

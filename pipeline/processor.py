@@ -75,6 +75,9 @@ class RowWorker(EngineActor):
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.check_setup()
+        return self.on_engine_thread(self._rows, batch)
+
+    def _rows(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         ids = [row_id(row) for row in rows]
         records = self.tasks.run(rows, ids, [None] * len(rows))

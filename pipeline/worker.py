@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -44,14 +45,25 @@ class FatalShardError(RuntimeError):
 class EngineActor:
     """A Ray Data actor holding one engine. A constructor that raises makes Ray restart the actor
     again and again; a failed setup is instead reported by the first call (`check_setup`), which
-    fails the job or the dataset with this one line."""
+    fails the job or the dataset with this one line.
+
+    All of the actor's torch work, the engine's build and every call, runs on one thread of its
+    own (`on_engine_thread`). Ray Data constructs the actor on one thread and calls it on another,
+    and on CPU each thread that runs torch ops gets its own OpenMP team: with two teams on the
+    node's cores libgomp stops spinning and sleeps at every barrier, and the engine ran at ~0.65x
+    of its speed in one thread (scripts/bench_scale.py --bare; docs/SCALE.md)."""
 
     def __init__(self, *args, **kwargs):
         self.setup_error = None
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         try:
-            self._setup(*args, **kwargs)
+            self.on_engine_thread(self._setup, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001
             self.setup_error = f"worker setup failed on {socket.gethostname()}: {one_line(exc)}"
+
+    def on_engine_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs), run on the actor's engine thread; its exception is raised here."""
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def _setup(self, *args, **kwargs) -> None:
         raise NotImplementedError
@@ -89,6 +101,9 @@ class ShardWorker(EngineActor):
         """One commit record (JSON) per shard: its identity, counts and times. A shard the
         planner found committed already is passed through with its record, without work."""
         self.check_setup()
+        return self.on_engine_thread(self._shards, batch)
+
+    def _shards(self, batch: dict) -> dict:
         records, new = [], []
         for shard, done in zip(Shard.from_batch(batch), batch["committed"]):
             records.append(str(done) if done else json.dumps(self.process(shard)))

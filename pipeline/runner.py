@@ -128,9 +128,12 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
         raise
     touch_run(run)
     plan = plan_summary(out, record)
-    if plan is None or plan["shards"] != totals.shards:
-        raise JobError(f"{(plan or {}).get('shards', 0) - totals.shards} shards have no committed output after "
-                       "the run; rerun to resume")
+    if plan is None:
+        raise JobError(f"the planning records under {out.storage.uri(out.storage.path(PLAN_DIR))} are incomplete "
+                       "after the run (was the output changed while it ran?); rerun to resume")
+    if plan["shards"] != totals.shards:
+        raise JobError(f"{plan['shards'] - totals.shards} shards have no committed output after the run; "
+                       "rerun to resume")
     run["planning"] = plan
     run["status"], run["finished"] = "done", time.time()
     write_run(out, run)

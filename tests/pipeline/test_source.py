@@ -254,3 +254,23 @@ def test_the_line_sequencer_answers_each_segment_once_those_before_it_reported()
         return other, first, second, again, [await f for f in late], await seq.offset("a", 4, 1)
 
     assert asyncio.run(scenario()) == (0, 0, 10, 10, [15, 10], 19)
+
+
+def test_segments_on_object_storage_cut_as_on_local_disk(tmp_path, s3_server):
+    """plan_segment's seeks and reads past a segment's end behave the same through s3fs."""
+    import s3fs
+
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q" * (i * 41 % 150), "n": i} for i in range(40)],
+                trailing_newline=False)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    fs.mkdir("seg-s3")
+    fs.put(str(tmp_path / "a.jsonl"), "seg-s3/a.jsonl")
+    size = (tmp_path / "a.jsonl").stat().st_size
+    cuts = {}
+    for where, storage, path in (("local", Storage(str(tmp_path)), str(tmp_path / "a.jsonl")),
+                                 ("s3", Storage("s3://seg-s3", {"endpoint_url": s3_server}), "seg-s3/a.jsonl")):
+        cuts[where] = [(lines, [(s.start, s.stop, s.byte_start, s.byte_stop) for s in shards])
+                       for start in range(0, size, 97)
+                       for shards, lines in [source.plan_segment(storage, path, "a.jsonl", start,
+                                                                 min(size, start + 97), None, 120)]]
+    assert cuts["s3"] == cuts["local"] and sum(n for n, _ in cuts["local"]) == 40

@@ -108,8 +108,9 @@ def plan_units(files: list, segment_bytes: int | None = None) -> list[Unit]:
             units.append(Unit(path, name, fmt, size))
             continue
         n = -(-size // segment_bytes)
-        units += [Unit(path, name, fmt, min(size, (k + 1) * segment_bytes) - k * segment_bytes, k, n,
-                       k * segment_bytes, min(size, (k + 1) * segment_bytes)) for k in range(n)]
+        for k in range(n):
+            start, stop = k * segment_bytes, min(size, (k + 1) * segment_bytes)
+            units.append(Unit(path, name, fmt, stop - start, k, n, start, stop))
     return units
 
 SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format", pa.string()),
@@ -121,7 +122,7 @@ SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format
 def plan_groups(units: list[Unit]) -> list[list[int]]:
     """The units (indices, in order) each planning task takes: consecutive units, at most
     FILES_PER_PLAN_TASK of them and BYTES_PER_PLAN_TASK bytes, both limits raised as needed to
-    stay within MAX_PLAN_BLOCKS tasks. Sizes come from the listing (`InputFiles.sizes`)."""
+    stay within MAX_PLAN_BLOCKS tasks. Unit sizes come from the listing (`InputFiles.sizes`)."""
     n = len(units)
     sizes = [u.size for u in units]
     per_task = max(FILES_PER_PLAN_TASK, -(-n // MAX_PLAN_BLOCKS))

@@ -156,10 +156,15 @@ def plan_file(storage: Storage, path: str, name: str, fmt: str, rows_per_shard: 
     def plan() -> list[Shard]:
         if fmt == "parquet":
             return list(_parquet_shards(storage, path, name, rows_per_shard, shard_bytes))
-        return list(_jsonl_shards(storage, path, name, rows_per_shard or 0, shard_bytes or 0))
+        return _jsonl_range(storage, path, name, rows_per_shard, shard_bytes, 0, None)[0]
 
+    return _planned(storage, path, plan, f"planning {name}", attempts)
+
+
+def _planned(storage: Storage, path: str, plan, what: str, attempts: int):
+    """plan(), its read errors retried `attempts` times, then raised as an InputError."""
     try:
-        return with_retries(plan, f"planning {name}", attempts=attempts)
+        return with_retries(plan, what, attempts=attempts)
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"cannot read {storage.uri(path)}: {exc}") from exc
 
@@ -179,18 +184,31 @@ def _parquet_shards(storage: Storage, path: str, name: str, rows: int | None,
         yield Shard(path, name, "parquet", start, stop, size * start // total, size * stop // total)
 
 
-def _jsonl_shards(storage: Storage, path: str, name: str, rows: int, shard_bytes: int) -> Iterator[Shard]:
-    """Reads the file once, block by block (constant memory), and cuts it at line ends: after
-    `rows` lines or at the first line end at or after `shard_bytes` bytes. Lines are counted
-    with bytes.count, so the cost is one pass at memory speed, not a Python loop per line."""
-    cut = _Cutter(path, name, rows, shard_bytes)
+def _jsonl_range(storage: Storage, path: str, name: str, rows: int | None, shard_bytes: int | None,
+                 start: int, stop: int | None) -> tuple[list[Shard], int]:
+    """The shards of the lines that start in bytes [start, stop) of a JSONL file (stop None: to
+    the end), and their count, line numbers counted from the range's first line. Reads the range
+    once, block by block (constant memory), and cuts it at line ends: after `rows` lines or at
+    the first line end at or after `shard_bytes` bytes. Lines are counted with bytes.count, so
+    the cost is one pass at memory speed, not a Python loop per line."""
     with storage.fs.open(path, "rb") as f:
+        first = _line_start(f, start)
+        if stop is not None and first >= stop:  # no line starts here (one line spans the range)
+            return [], 0
+        f.seek(first)
+        cut = _Cutter(path, name, rows or 0, shard_bytes or 0, offset=first)
+        shards, pos = [], first
         while True:
             block = f.read(BLOCK)
             if not block:
                 break
-            yield from cut.feed(block)
-    yield from cut.finish()
+            end = block.find(b"\n", max(0, stop - 1 - pos)) if stop is not None and pos + len(block) >= stop else -1
+            shards += cut.feed(block if end < 0 else block[: end + 1])
+            if end >= 0:  # the range ends at the first line start at or after `stop`
+                break
+            pos += len(block)
+        shards += cut.finish()
+        return shards, cut.line
 
 
 class _Cutter:
@@ -199,7 +217,7 @@ class _Cutter:
     def __init__(self, path: str, name: str, rows: int, shard_bytes: int, offset: int = 0):
         self.path, self.name, self.rows, self.shard_bytes = path, name, rows, shard_bytes
         self.offset = offset  # file offset of the current block
-        self.line, self.byte = 0, offset  # first line (counted from where planning started) and byte of the open shard
+        self.line, self.byte = 0, offset  # first line (from where planning started) and byte of the open shard
         self.lines = 0  # complete lines in the open shard so far
         self.last = b"\n"
 
@@ -243,29 +261,8 @@ def plan_segment(storage: Storage, path: str, name: str, start: int, stop: int, 
     segment holds the lines that start in it, so consecutive segments hold each line once and
     each can be planned without the others. Line numbers count from the segment's first line:
     the caller adds the lines of the segments before it (pipeline.planner sequences them)."""
-    def plan() -> tuple[list[Shard], int]:
-        with storage.fs.open(path, "rb") as f:
-            first = _line_start(f, start)
-            if first >= stop:  # no line starts here (one line spans the whole segment)
-                return [], 0
-            f.seek(first)
-            cut = _Cutter(path, name, rows_per_shard or 0, shard_bytes or 0, offset=first)
-            shards, pos = [], first
-            while True:
-                block = f.read(BLOCK)
-                if not block:
-                    break
-                end = block.find(b"\n", max(0, stop - 1 - pos)) if pos + len(block) >= stop else -1
-                shards += cut.feed(block if end < 0 else block[: end + 1])
-                if end >= 0:  # the segment ends at the first line start at or after `stop`
-                    break
-                pos += len(block)
-            shards += cut.finish()
-            return shards, cut.line
-    try:
-        return with_retries(plan, f"planning {name} bytes {start}-{stop}", attempts=attempts)
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"cannot read {storage.uri(path)}: {exc}") from exc
+    return _planned(storage, path, lambda: _jsonl_range(storage, path, name, rows_per_shard, shard_bytes, start, stop),
+                    f"planning {name} bytes {start}-{stop}", attempts)
 
 
 def _line_start(f, offset: int) -> int:

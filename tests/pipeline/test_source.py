@@ -21,15 +21,22 @@ def write_jsonl(path, rows, trailing_newline=True, blank_every=0):
     path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
 
 
+def read_all(storage, shards):
+    """(ids, rows, errors) of every shard, in order."""
+    ids, rows, errors = [], [], []
+    for shard in shards:
+        r, i, e = read_shard(storage, shard)
+        rows += r
+        ids += i
+        errors += e
+    return ids, rows, errors
+
+
 def all_rows(storage, rows_per_shard):
     files = list_inputs(storage, "auto")
     shards = list(plan_shards(storage, files, rows_per_shard))
-    ids, rows = [], []
-    for shard in shards:
-        r, i, e = read_shard(storage, shard)
-        assert all(err is None for err in e)
-        rows += r
-        ids += i
+    ids, rows, errors = read_all(storage, shards)
+    assert all(err is None for err in errors)
     return shards, ids, rows
 
 
@@ -136,11 +143,7 @@ def test_byte_target_shards_align_to_lines_and_keep_the_derived_ids(tmp_path, mo
     write_jsonl(tmp_path / "a.jsonl", data, blank_every=9)
     storage = Storage(str(tmp_path))
     shards = list(plan_shards(storage, list_inputs(storage, "auto"), rows_cap, shard_bytes))
-    ids, rows = [], []
-    for shard in shards:
-        r, i, _ = read_shard(storage, shard)
-        rows += r
-        ids += i
+    ids, rows, _ = read_all(storage, shards)
     _, by_rows, _ = all_rows(storage, 1000)
     assert ids == by_rows and [r["n"] for r in rows] == list(range(61))
     raw = (tmp_path / "a.jsonl").read_bytes()
@@ -222,11 +225,7 @@ def test_segments_planned_apart_cover_every_line_once_with_its_number(tmp_path, 
         shards += [source.Shard(s.file, s.name, s.format, s.start + before, s.stop + before, s.byte_start,
                                 s.byte_stop) for s in local]
         before += lines
-    ids, rows = [], []
-    for shard in shards:
-        r, i, _ = read_shard(storage, shard)
-        rows += r
-        ids += i
+    ids, rows, _ = read_all(storage, shards)
     _, whole, _ = all_rows(storage, 1000)
     assert ids == whole and [r["n"] for r in rows] == list(range(45))
     assert [(a.stop, a.byte_stop) for a in shards[:-1]] == [(b.start, b.byte_start) for b in shards[1:]]

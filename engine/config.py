@@ -1,10 +1,14 @@
 """Engine configuration: the one place where engine defaults live."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 
 SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+CPU_POOL_TOKENS = 8192
+"""The KV pool's tokens on CPU (and on any device without a memory figure) when max_batch_tokens is None."""
 
 DEFAULT_MODEL = "builtin:tiny"
 """The model of a config or job spec that names none: embedded, built on first use, no download."""
@@ -18,8 +22,8 @@ class EngineConfig:
     """Hugging Face model directory (local, or s3://, gs://... copied to a local cache), or `builtin:tiny`."""
     revision: str | None = None
     """Hub revision (branch, tag or commit hash) of a Hugging Face model id; None = main. Not used for directories."""
-    max_batch_tokens: int = 8192
-    """KV-cache tokens one batch may reserve: rows x (longest prompt + largest max_tokens)."""
+    max_batch_tokens: int | None = None
+    """Tokens of the paged KV pool (blocks in use by the running rows); None = sized from gpu_memory_utilization on CUDA, 8192 on CPU."""
     max_num_seqs: int = 64
     """Most sequences (rows) in one batch."""
     max_model_len: int | None = None
@@ -30,12 +34,20 @@ class EngineConfig:
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     scheduling: str = "static"
     """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
+    max_num_batched_tokens: int | None = None
+    """Real tokens one forward pass carries: each decoding row's token plus prefill chunks (long prompts are cut into chunks); None = 1024 on CPU, 8192 on CUDA (vLLM's name)."""
     max_prefill_tokens: int | None = None
-    """Most prompt tokens (rows x longest prompt) prefilled in one forward pass (a longer prompt runs alone); None = 1024 on CPU, max_batch_tokens on GPU."""
+    """Deprecated alias of max_num_batched_tokens."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of the pool, of prefix sharing and of a row's growth (vLLM's name)."""
+    gpu_memory_utilization: float = 0.9
+    """With max_batch_tokens None on CUDA: share of the card's memory the engine may use, weights, activations and KV pool together (vLLM's name)."""
+    kv_cache_dtype: str = "auto"
+    """auto = the model's dtype; fp8 = float8 e4m3 keys and values (CUDA, compute capability >= 8.9): half the bytes (vLLM's name)."""
     enable_prefix_caching: bool = True
-    """Compute the keys and values of prompt blocks shared between requests once, and reuse them (vLLM's name)."""
+    """Share the KV blocks of prompt prefixes between requests: computed once, held once (vLLM's name)."""
     prefix_cache_tokens: int | None = None
-    """Token slots kept for cached prompt blocks (a store besides the batch's KV); None = max_batch_tokens // 2."""
+    """Deprecated and ignored: cached prefix blocks live in the KV pool's free blocks."""
     enforce_eager: bool = False
     """Run decode steps eagerly; by default on CUDA they replay CUDA graphs captured per batch-size bucket (vLLM's name)."""
     seed: int = 0
@@ -52,14 +64,26 @@ class EngineConfig:
     """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
 
     def __post_init__(self) -> None:
-        _positive("max_batch_tokens", self.max_batch_tokens)
+        for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
+                     "prefix_cache_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         _positive("max_num_seqs", self.max_num_seqs)
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
+        _positive("block_size", self.block_size)
         if self.max_prefill_tokens is not None:
-            _positive("max_prefill_tokens", self.max_prefill_tokens)
+            if self.max_num_batched_tokens is not None:
+                raise ValueError("set max_num_batched_tokens or its deprecated alias max_prefill_tokens, not both")
+            warnings.warn("max_prefill_tokens is deprecated: use max_num_batched_tokens", DeprecationWarning,
+                          stacklevel=3)
+            self.max_num_batched_tokens, self.max_prefill_tokens = self.max_prefill_tokens, None
         if self.prefix_cache_tokens is not None:
-            _positive("prefix_cache_tokens", self.prefix_cache_tokens)
+            warnings.warn("prefix_cache_tokens is deprecated and ignored: cached prefix blocks live in the "
+                          "KV pool's free blocks", DeprecationWarning, stacklevel=3)
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if self.dtype not in DTYPES:

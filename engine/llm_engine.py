@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import logging
 import random
+
+import torch
 from typing import Sequence as Seq
 
 from engine.batch import Batch
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.block_pool import BlockPool, hash_salt
+from engine.config import CPU_POOL_TOKENS, EngineConfig
+from engine.kv_cache import PagedKVCache
 from engine.model_runner import ModelRunner
-from engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, pool_capacity, prefill_capacity
+from engine.scheduler import Scheduler, SchedulerOutput, batched_tokens
 from engine.scoring import ChoiceScores, score_choices
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -21,13 +23,6 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-GRAPH_WIDTH_ALIGN = 128
-"""With CUDA graphs, KV layout widths are rounded up to this, so batches of similar widths share
-one layout and its captured graphs (costs at most max_num_seqs x 127 extra pool slots)."""
-GRAPH_MIN_JOIN = 1 / 8
-"""With CUDA graphs, continuous batching refills the batch once 1/8 of its rows are free, not
-row by row: decode steps replay a graph in a few ms, but every prefill is an eager forward pass
-whose host time (tens of ms for a 1B model) does not shrink with its size."""
 
 
 class LLMEngine:
@@ -45,37 +40,51 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
         self.continuous = self.config.scheduling == "continuous"
-        width_align = GRAPH_WIDTH_ALIGN if self.runner.graphs is not None else 1
-        self.cache = KVCache(self.runner.num_layers,
-                             pool_capacity(self.config.max_batch_tokens, self.config.max_num_seqs, width_align))
-        """The KV pool: allocated on the first forward pass, reused by every batch and by scoring."""
-        self.prefix_cache: PrefixCache | None = None
-        if self.config.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.cache, self.config.prefix_cache_tokens
-                                            or self.config.max_batch_tokens // 2)
-        self.scheduler = Scheduler(self.config.max_batch_tokens, self.config.max_num_seqs, self.max_model_len,
-                                   self._max_prefill_tokens(), self.continuous, width_align,
-                                   cached_tokens=self._cached_tokens if self.prefix_cache else None,
-                                   min_join_fraction=GRAPH_MIN_JOIN if self.runner.graphs is not None else 0.0)
-        self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.cache)
+        self.block_size = self.config.block_size
+        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
+                                                     on_cpu=self.runner.device.type != "cuda")
+        num_blocks = self._pool_blocks()
+        self.cache = PagedKVCache(self.runner.num_layers, num_blocks, self.block_size, self.runner.kv_dtype)
+        """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
+        self.pool = BlockPool(num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
+        self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
+                              str(self.runner.kv_dtype), getattr(self.config, "quantization", None))
+        """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
+        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.max_model_len,
+                                   self.max_num_batched_tokens, self.continuous, self.salt)
+        self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
 
+    @property
+    def pool_tokens(self) -> int:
+        """Token slots of the KV pool (max_batch_tokens as resolved)."""
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of the prompt tokens looked up whose blocks were found cached."""
+        return self.pool.hit_tokens / self.pool.queried_tokens if self.pool.queried_tokens else 0.0
+
+    def _pool_blocks(self) -> int:
+        tokens = self.config.max_batch_tokens
+        if tokens is None and self.runner.device.type == "cuda":
+            from engine.memory import profile_pool_blocks
+
+            return profile_pool_blocks(self)
+        return max(1, (tokens or CPU_POOL_TOKENS) // self.block_size)  # the pool never exceeds the budget
+
     def _max_model_len(self) -> int:
         model_max = self.runner.max_position_embeddings
         if self.config.max_model_len is None:
-            return model_max or self.config.max_batch_tokens
+            return model_max or (self.config.max_batch_tokens or CPU_POOL_TOKENS)
         if model_max and self.config.max_model_len > model_max:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_max})")
         return self.config.max_model_len
-
-    def _max_prefill_tokens(self) -> int:
-        return prefill_capacity(self.config.max_prefill_tokens, self.config.max_batch_tokens,
-                                on_cpu=self.runner.device.type == "cpu")
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -112,67 +121,59 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """One forward pass: schedule -> run -> postprocess. Either a prefill that brings
-        admitted requests into the batch, or one decode step of every running row. Returns the
+        """One forward pass: schedule -> run -> postprocess. The pass carries every running
+        row's next token and prefill chunks of rows still reading their prompts. Returns the
         sequences that finished in it."""
-        plan = self.scheduler.schedule(self.batch.num_rows, self.batch.widest)
+        plan = self.scheduler.schedule()
+        self.batch.remove(plan.preempted)
+        if plan.admitted:
+            self.batch.join(plan.admitted)
         if plan.is_empty:
             return []
         finished = self._run(plan)
-        drained = not (self.continuous and self.scheduler.has_waiting())  # continuous: one batch per run
-        if self.batch.empty and not self.scheduler.pending and drained:
+        if self.batch.empty and not self.scheduler.has_work():
             self.batch_stats.append(self.batch.finish_stats())
+        elif self.batch.empty and not self.continuous and self.batch.stats is not None:
+            self.batch_stats.append(self.batch.finish_stats())  # static: one batch has drained
         return finished
 
     def _run(self, plan: SchedulerOutput) -> list[Sequence]:
         """Runs the plan's forward pass, samples on the device and records the new tokens."""
-        batch = self.batch
-        if plan.layout is not None:
-            batch.set_layout(*plan.layout)
-        if plan.is_prefill:
-            group, offset = self._with_cached_prefix(plan.prefill)
-            start = batch.num_rows
-            rows = slice(start, start + len(group))
-            prompts = [s.prompt_token_ids for s in group]
-            ids, lengths = batch.join(group, offset)
-            if self.prefix_cache is not None:
-                self.prefix_cache.load(range(start, rows.stop), prompts, offset)
-            logits = self.runner.prefill(self.cache, start, ids, lengths, offset)
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(range(start, rows.stop), prompts)
-        else:
-            n = plan.num_decode_rows
-            rows = slice(0, n)
-            batch.count_decode()
-            logits = self.runner.decode(self.cache, batch.last[:n], batch.lengths[:n], batch.max_length() + 1)
-        tokens, logprobs = self.sampler(logits, **batch.sampler_inputs(rows))
-        return batch.record(rows, tokens, logprobs, decode=not plan.is_prefill)
+        try:
+            logits = self.runner.run(self.cache, plan.chunks)
+        except torch.OutOfMemoryError as exc:
+            return self._out_of_memory(plan, exc)
+        prefill = sum(c.count for c in plan.chunks if c.count > 1 or c.start < c.seq.num_prompt_tokens)
+        cached = sum(s.num_computed_tokens for s in plan.admitted)
+        self.scheduler.update(plan)
+        self.batch.count_pass(plan, self.pool.num_used * self.block_size, prefill, cached)
+        sampled = [c.seq for c in plan.chunks if c.samples]
+        if not sampled:
+            return []
+        rows = self.batch.rows(sampled)
+        tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows))
+        finished = self.batch.record(sampled, rows, tokens, logprobs)
+        self.scheduler.finish(finished)
+        self.batch.remove(finished)
+        return finished
 
-    def _cached_tokens(self, seq: Sequence) -> int:
-        return self.prefix_cache.match(seq.prompt_token_ids)
-
-    def _with_cached_prefix(self, group: list[Sequence]) -> tuple[list[Sequence], int]:
-        """The rows of `group` to prefill now and how many leading tokens of theirs come from the
-        prefix cache (the same for all: one forward pass has one offset); the others go back to
-        the front of the pending rows. Rows that share a block nobody has computed yet run one
-        alone first, so the rest find it cached."""
-        if self.prefix_cache is None:
-            return group, 0
-        matched = [self.prefix_cache.match(s.prompt_token_ids) for s in group]
-        first_new: dict[int, int] = {}
-        for i, (s, m) in enumerate(zip(group, matched)):
-            # the block holding the last prompt token is never cached (its logits are needed)
-            hashes = block_hashes(s.prompt_token_ids, min(m + BLOCK_SIZE, s.num_prompt_tokens - 1))
-            if len(hashes) > m // BLOCK_SIZE:
-                j = first_new.setdefault(hashes[m // BLOCK_SIZE], i)
-                if j != i:  # rows j and i share an uncached block: compute it once, with row j
-                    now = [group[j]]
-                    self.scheduler.pending[:0] = [r for r in group if r is not group[j]]
-                    return now, matched[j]
-        best = max(matched)
-        now = [s for s, m in zip(group, matched) if m == best]
-        self.scheduler.pending[:0] = [s for s, m in zip(group, matched) if m != best]
-        return now, best
+    def _out_of_memory(self, plan: SchedulerOutput, exc: Exception) -> list[Sequence]:
+        """A pass ran out of device memory. Its prefill rows go back to the queue (recomputed
+        later) and later passes carry half the tokens; the pool is untouched (nothing of the
+        failed pass was named, so no cached block holds half-written keys and values). A pass of
+        decoding rows alone re-raises: the caller's remedy is a smaller pool."""
+        chunked = [c.seq for c in plan.chunks if c.count > 1]
+        if not chunked or self.scheduler.max_num_batched_tokens <= self.config.max_num_seqs:
+            raise exc
+        log.warning("out of memory in a pass of %d tokens: its %d prefill rows are requeued and passes now carry "
+                    "at most %d tokens", plan.num_tokens, len(chunked), self.scheduler.max_num_batched_tokens // 2)
+        self.scheduler.max_num_batched_tokens = max(self.config.max_num_seqs, self.scheduler.max_num_batched_tokens // 2)
+        for seq in chunked:
+            self.scheduler.preempt(seq)
+        self.batch.remove(chunked)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return []
 
     def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
@@ -193,9 +194,7 @@ class LLMEngine:
             choice_ids.append(cids)
         if self.has_unfinished():
             raise RuntimeError("score_choices() called while generation requests are still running")
-        scores = score_choices(self.runner, self.cache, prompt_ids, choice_ids, self.config.max_batch_tokens,
-                               self.config.max_num_seqs, self.max_model_len, self.prefix_cache)
-        self.scheduler.layout = (0, 0)  # scoring laid the pool out its own way
+        scores = score_choices(self, prompt_ids, choice_ids)
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
         return scores

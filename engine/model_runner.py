@@ -4,11 +4,15 @@ from __future__ import annotations
 import inspect
 import logging
 
+import numpy as np
 import torch
 
+from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.errors import ModelLoadError
+from engine.kv_cache import PagedKVCache
 from engine.loader import load_model, load_tokenizer, resolve_model_dir
+from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_kv_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The KV pool's dtype: None = the model's; fp8 needs CUDA with compute capability >= 8.9."""
+    if name == "auto":
+        return None
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = device.type if device.type != "cuda" else f"{torch.cuda.get_device_name(device)} " \
+            f"(compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+        raise ValueError(f"kv_cache_dtype fp8 needs a CUDA device of compute capability >= 8.9, not {where}")
+    return torch.float8_e4m3fn
+
+
 def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
     """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN with
     its weight prepacked once. With few rows per step, torch's default GEMM streams this matrix
@@ -46,15 +61,16 @@ def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class ModelRunner:
-    """Holds the model and tokenizer and runs forward passes over the KV pool.
+    """Holds the model and tokenizer and runs forward passes over the paged KV pool.
 
-    Masks are built here, on the device, as 4-D additive biases from each row's length, so
-    transformers' mask code (which checks values on the host) never runs, and a decode pass has
-    no device->host sync. On CUDA, decode passes replay CUDA graphs (`CudaGraphs`)."""
+    A pass packs its chunks into one sequence (batch size 1, T tokens) with each token's own
+    position; attention (`engine.attention`, registered with transformers) reads each row's
+    blocks, so no mask is built and no padding is computed."""
 
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)
         self.hf_tokenizer = load_tokenizer(config, self.model_dir)
         self.model = load_model(config, self.model_dir, self.dtype, self.device)
@@ -67,17 +83,17 @@ class ModelRunner:
         layer_types = set(getattr(text_config, "layer_types", None) or ())
         if layer_types and "sliding_attention" not in layer_types:
             self.sliding_window = None  # a window in the config that no layer uses
-        self._mixed_layers = {"full_attention", "sliding_attention"} <= layer_types and bool(self.sliding_window)
+        self.all_sliding = bool(self.sliding_window) and (not layer_types or layer_types == {"sliding_attention"})
+        """Every layer attends within the window (then positions before it are never read)."""
         pack_lm_head(self.model, self.device, self.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._takes_position_ids = "position_ids" in params
+        if "position_ids" not in params:
+            raise ModelLoadError(f"{type(self.model).__name__} takes no position_ids: the engine packs rows into "
+                                 "one sequence and cannot give it each token's position")
         self._takes_logits_to_keep = "logits_to_keep" in params
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            from engine.cuda_graph import CudaGraphs
-            self.graphs = CudaGraphs(self, config.max_num_seqs)
+        self.graphs = None  # decode graphs over the paged pool: not captured yet (see README)
 
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""
@@ -88,75 +104,67 @@ class ModelRunner:
             return set()
         return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
-    # -- masks --------------------------------------------------------------------------------
-
-    def attention_bias(self, key_mask: torch.Tensor, query_cols: torch.Tensor):
-        """key_mask (B, L) bool: columns a row may attend to at all; query_cols (B, S): the
-        column each query token sits in (it sees columns <= its own). -> (B, 1, S, L) additive
-        bias in the model's dtype (a dict per layer type for models that mix sliding-window
-        and full-attention layers)."""
-        cols = torch.arange(key_mask.shape[1], device=key_mask.device)
-        allowed = key_mask[:, None, :] & (cols[None, None, :] <= query_cols[:, :, None])  # (B, S, L)
-        full = self._bias(allowed)
-        if not self.sliding_window:
-            return full
-        windowed = self._bias(allowed & (cols[None, None, :] > query_cols[:, :, None] - self.sliding_window))
-        return {"full_attention": full, "sliding_attention": windowed} if self._mixed_layers else windowed
-
-    def _bias(self, allowed: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)[:, None]
-
-    def decode_bias(self, lengths: torch.Tensor, width: int):
-        """Decode: row i's new token sits at column lengths[i] and sees columns [0, lengths[i]]."""
-        cols = torch.arange(width, device=lengths.device)
-        return self.attention_bias(cols[None, :] <= lengths[:, None], lengths[:, None])
-
     # -- forward passes -----------------------------------------------------------------------
 
-    def _kwargs(self, attention_mask, position_ids: torch.Tensor, cache: KVCache) -> dict:
-        kwargs = {self._cache_kwarg: cache, "use_cache": True, "attention_mask": attention_mask}
-        if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids
-        return kwargs
+    def metadata(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[PassMetadata, list[int], list[int]]:
+        """The pass's pool addressing, plus its input tokens and positions (host lists)."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        slots: list[np.ndarray] = []
+        chunk_spans: list[tuple[int, int, int, int]] = []
+        small: list[int] = []
+        width = max(len(c.seq.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        for r, c in enumerate(chunks):
+            ids = c.seq.block_ids
+            tables[r, : len(ids)] = ids
+            t0 = len(tokens)
+            end = c.start + c.count
+            tokens += c.seq.token_ids[c.start:end]
+            pos = np.arange(c.start, end)
+            positions += pos.tolist()
+            rows += [r] * c.count
+            slots.append(tables[r][pos // block_size].astype(np.int64) * block_size + pos % block_size)
+            if c.count >= CHUNK_MIN_TOKENS:
+                chunk_spans.append((t0, t0 + c.count, r, c.start))
+            else:
+                small.extend(range(t0, t0 + c.count))
+        dev = self.device
+        meta = PassMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            token_row=torch.tensor(rows, dtype=torch.int32).to(dev),
+            ctx=torch.tensor(positions, dtype=torch.int32).add_(1).to(dev),
+            max_ctx=max(c.start + c.count for c in chunks),
+            small=None if not chunk_spans else torch.tensor(small, dtype=torch.int64).to(dev),
+            chunks=chunk_spans)
+        return meta, tokens, positions
 
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
-               cache: KVCache) -> torch.Tensor:
-        """Like `forward`, but the logits of every position: (B, S, V) in the model's dtype."""
-        return self.model(input_ids=input_ids, **self._kwargs(attention_mask, position_ids, cache)).logits
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
-                cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, position_ids (B, S); attention_mask: a bias from `attention_bias` -> logits
-        (B, V) float32 at column `last` (B, 1) of each row (default: the final column)."""
-        kwargs = self._kwargs(attention_mask, position_ids, cache)
-        if self._takes_logits_to_keep:
-            # Only the sampled positions go through the LM head.
-            kwargs["logits_to_keep"] = 1 if last is None else last
-        logits = self.model(input_ids=input_ids, **kwargs).logits
-        if last is None or self._takes_logits_to_keep:
-            return logits[:, -1, :].float()
-        return logits.gather(1, last[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0, :].float()
-
-    def prefill(self, cache: KVCache, start: int, input_ids: torch.Tensor, lengths: torch.Tensor,
-                offset: int = 0) -> torch.Tensor:
-        """Prompts into slots [start, start + k): input_ids (k, P) are their tokens from `offset`
-        on (columns before it already hold keys and values), right-padded; lengths (k,) are the
-        whole prompts' lengths. -> logits (k, V) at each prompt's last token."""
-        k, p = input_ids.shape
-        cols = offset + torch.arange(p, device=self.device)[None, :].expand(k, -1)
-        cache.prefill(start, offset)
-        keys = torch.arange(offset + p, device=self.device)[None, :] < lengths[:, None]
-        return self.forward(input_ids, self.attention_bias(keys, cols), cols, cache, (lengths - 1 - offset)[:, None])
-
-    def decode(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """One token per row of slots [0, n): tokens (n,) at columns lengths (n,); attention over
-        columns [0, width). -> logits (n, V)."""
-        if self.graphs is not None:
-            logits = self.graphs.decode(cache, tokens, lengths)
-            if logits is not None:
-                return logits
-        cache.decode(lengths, width)
-        return self.forward(tokens[:, None], self.decode_bias(lengths, width), lengths[:, None], cache)
+    def run(self, cache: PagedKVCache, chunks: list[ScheduledChunk], keep: list[int] | None = None,
+            all_logits: bool = False) -> torch.Tensor | None:
+        """One forward pass over `chunks`. Returns float32 logits (k, V) at the last token of
+        each chunk that samples (or at token indices `keep`), or (T, V) with all_logits."""
+        meta, tokens, positions = self.metadata(chunks, cache.block_size)
+        if keep is None and not all_logits:
+            ends = np.cumsum([c.count for c in chunks]) - 1
+            keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
+            if not keep:
+                keep = []
+        cache.meta = meta
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
+                  "position_ids": torch.tensor([positions], device=self.device)}
+        index = None if all_logits else torch.tensor(keep, dtype=torch.int64, device=self.device)
+        if index is not None and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = index if len(keep) else torch.zeros(1, dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor([tokens], device=self.device)
+        try:
+            logits = self.model(input_ids=input_ids, **kwargs).logits[0]
+        finally:
+            cache.meta = None
+        if index is not None and not self._takes_logits_to_keep:
+            logits = logits[index]
+        if index is not None and not len(keep):
+            return None
+        return logits.float()

@@ -44,11 +44,11 @@ class BatchStats:
     max_new_tokens: int
     """Largest max_tokens among the rows."""
     reserved_tokens: int
-    """Most KV-cache slots reserved at once: slots x widest row (prompt + max_tokens); <= max_batch_tokens."""
+    """Most KV tokens in use at once: blocks held by running rows x block_size; <= the pool's tokens."""
     prompt_tokens: int
     """Real (unpadded) prompt tokens."""
     padded_prompt_tokens: int
-    """Prompt tokens computed including padding: each prefill's rows x its longest prompt (less the cached prefix)."""
+    """Prompt tokens computed by prefill chunks (no padding: equal to prompt_tokens less cached ones, plus recomputes)."""
     cached_prompt_tokens: int = 0
     """Prompt tokens whose keys and values came from the prefix cache instead of a forward pass."""
     peak_rows: int = 0
@@ -56,7 +56,7 @@ class BatchStats:
     prefill_steps: int = 0
     """Forward passes that brought new rows in."""
     resizes: int = 0
-    """Times the KV cache was reallocated (to fit a wider row or more rows)."""
+    """Always 0: the paged pool is allocated once and never resized (kept for readers of older stats)."""
     generated_tokens: int = 0
     """Tokens kept in the outputs."""
     decode_steps: int = 0
@@ -64,7 +64,9 @@ class BatchStats:
     computed_rows: int = 0
     """Row-steps computed in decode (finished rows leave at once, so these are all live)."""
     compactions: int = 0
-    """Times finished rows left the running batch."""
+    """Always 0: rows take and free blocks, nothing is compacted (kept for readers of older stats)."""
+    preemptions: int = 0
+    """Rows preempted (blocks freed, recomputed later) because the pool ran out."""
     seconds: float = 0.0
     """Wall time of the batch, prefill to last token."""
 

@@ -64,6 +64,10 @@ class SamplingTensors:
         """A view of rows `rows`."""
         return SamplingTensors(self.floats[rows], self.ints[rows])
 
+    def select(self, index: torch.Tensor) -> "SamplingTensors":
+        """The settings of rows `index` (a gather)."""
+        return SamplingTensors(self.floats[index], self.ints[index])
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies rows src[k] -> dst[k]."""
         self.floats[dst] = self.floats[src]

@@ -1,94 +1,101 @@
-"""Decides what the next forward pass does, under a KV-token budget. Pure logic: no torch.
+"""Decides what the next forward pass computes, over a paged KV pool. Pure logic: no torch.
 
-static:     a batch is formed when the previous one has drained, and runs to completion.
-continuous: whenever rows and budget are free, waiting requests join the running batch.
+Every pass carries chunks: each running row's next tokens (one for a decoding row, up to the
+rest of its prompt for a row still prefilling), under `max_num_batched_tokens` real tokens.
+Rows already running go first, in the order they were admitted; waiting requests are admitted
+after them when the pool has free blocks for what they need now (prompt + the next token, less
+the blocks a cached prefix gives them), not prompt + max_tokens.
 
-Either way the running batch reserves rows x (widest row's prompt + max_tokens) KV slots
-(`kv_tokens`, the one place that rule is written), at most max_batch_tokens, so a request is
-only started when it can run to its end.
+When a running row needs a block and none is free, the most recently admitted row is
+preempted by recompute (vLLM's default): its blocks are freed (their cached names stay, so a
+recompute mostly finds them) and it goes back to the front of the queue with its output so far.
+
+static:     a batch (a cohort of up to max_num_seqs requests) forms when the previous one has
+            drained; its rows are admitted on demand, a preempted row rejoins it, no new row does.
+continuous: any waiting request is admitted whenever rows and blocks allow.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
+from engine.block_pool import BlockPool, chain_hashes
 from engine.sequence import Sequence, Status
 
-
-def kv_tokens(rows: int, width: int) -> int:
-    """KV slots a batch of `rows` rows reserves when its widest row may fill `width` columns."""
-    return rows * width
-
-
-def pool_capacity(max_batch_tokens: int, max_num_seqs: int, width_align: int) -> int:
-    """Token slots the KV pool needs: the budget, plus the slack that width rounding may take."""
-    return max_batch_tokens + max_num_seqs * (width_align - 1)
+CPU_BATCHED_TOKENS = 1024
+"""On CPU a pass of ~1k tokens already keeps every core busy (scripts/bench_batching.py)."""
+CUDA_BATCHED_TOKENS = 8192
+WATERMARK = 0.01
+"""Share of the pool's blocks a new admission leaves free, so running rows can grow a while
+before anyone is preempted (vLLM keeps the same 1%)."""
 
 
-CPU_PREFILL_TOKENS = 1024
-"""On CPU a prefill of ~1k tokens already keeps every core busy, and smaller groups pad less
-(scripts/bench_batching.py, workload c); a GPU wants as many tokens per pass as it can get."""
+def batched_tokens(configured: int | None, on_cpu: bool) -> int:
+    """Real tokens one forward pass may carry: the configured value, else 1,024 on CPU and
+    8,192 elsewhere."""
+    if configured is not None:
+        return configured
+    return CPU_BATCHED_TOKENS if on_cpu else CUDA_BATCHED_TOKENS
 
 
-def prefill_capacity(max_prefill_tokens: int | None, max_batch_tokens: int, on_cpu: bool = False) -> int:
-    """Most prompt tokens prefilled in one forward pass: the configured value, else
-    CPU_PREFILL_TOKENS on CPU (never above max_batch_tokens) and max_batch_tokens elsewhere."""
-    if max_prefill_tokens is not None:
-        return max_prefill_tokens
-    return min(max_batch_tokens, CPU_PREFILL_TOKENS) if on_cpu else max_batch_tokens
+@dataclass
+class ScheduledChunk:
+    """Tokens [start, start + count) of one row, computed in this pass."""
 
+    seq: Sequence
+    """The row."""
+    start: int
+    """Its first position computed here (the tokens before it are in the pool)."""
+    count: int
+    """Tokens computed (1 for a decoding row)."""
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the row's last token, whose logits pick its next token."""
+        return self.start + self.count == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     """The plan of one forward pass, handed from the scheduler to the model runner."""
 
-    prefill: list[Sequence] = field(default_factory=list)
-    """Requests whose prompts this pass prefills (they join the batch as new rows); empty for a decode."""
-    num_decode_rows: int = 0
-    """Running rows that each decode one token (0 when this pass is a prefill)."""
-    layout: tuple[int, int] | None = None
-    """(slots, width) the KV pool must be laid out as before this pass; None = keep the current one."""
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """What the pass computes, row by row (running rows first, then newly admitted ones)."""
+    admitted: list[Sequence] = field(default_factory=list)
+    """Rows that join the running table before this pass (new, or back after a preemption)."""
+    preempted: list[Sequence] = field(default_factory=list)
+    """Rows that left the running table before this pass; their blocks are free again."""
 
     @property
-    def is_prefill(self) -> bool:
-        return bool(self.prefill)
+    def num_tokens(self) -> int:
+        return sum(c.count for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and not self.num_decode_rows
+        return not self.chunks
 
 
 class Scheduler:
-    """Keeps the waiting queue sorted longest first (memory trouble shows in the first batch,
-    not the last; neighbours waste little padding; no long request straggles at the end)."""
+    """The waiting queue (longest first: memory trouble shows early, no long request straggles
+    at the end), the running rows in admission order, and the block pool they share."""
 
-    def __init__(self, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int | None = None, continuous: bool = False, width_align: int = 1,
-                 cached_tokens: Callable[[Sequence], int] | None = None, min_join_fraction: float = 0.0):
-        self.max_batch_tokens = max_batch_tokens
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 continuous: bool = False, salt: bytes = b""):
+        self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = prefill_capacity(max_prefill_tokens, max_batch_tokens)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.continuous = continuous
-        self.width_align = width_align
-        """Layout widths are rounded up to this (CUDA graphs are captured per layout: fewer layouts)."""
-        self.min_join_fraction = min_join_fraction
-        """continuous: while rows run, waiting requests join only once at least this share of the
-        batch's rows could join at once (each prefill pass has a fixed cost; fewer, larger ones)."""
-        self.cached_tokens = cached_tokens or (lambda seq: 0)
-        """Leading prompt tokens of a request that the prefix cache holds (they cost no prefill)."""
+        self.salt = salt
         self.waiting: list[Sequence] = []
-        self.pending: list[Sequence] = []  # admitted to the batch, prompt not yet prefilled
-        self.layout = (0, 0)  # (slots, width) of the KV pool's current layout
+        self.running: list[Sequence] = []
+        self.cohort: list[Sequence] = []
+        """static: the current batch's rows not yet admitted (or preempted back out of it)."""
+        self.inflight: dict[bytes, Sequence] = {}
+        """Names of prompt blocks an admitted row is computing: a row needing one waits for it."""
+        self.preemptions = 0
         self._sorted = True
 
-    @property
-    def pool_capacity(self) -> int:
-        return pool_capacity(self.max_batch_tokens, self.max_num_seqs, self.width_align)
+    # -- requests -----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> bool:
         """Queues `seq`, or fails it with a message naming the limit it can never fit. Returns queued?"""
@@ -108,98 +115,151 @@ class Scheduler:
         what = f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {need}"
         if need > self.max_model_len:
             return f"{what} exceeds max_model_len ({self.max_model_len})"
-        if need > self.max_batch_tokens:
-            return f"{what} exceeds max_batch_tokens ({self.max_batch_tokens})"
+        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        if need > pool_tokens:
+            return f"{what} exceeds the KV pool's {pool_tokens} tokens (max_batch_tokens)"
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.pending)
+        return bool(self.waiting or self.running or self.cohort)
 
     def has_waiting(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.cohort)
 
-    def schedule(self, running: int, widest: int) -> SchedulerOutput:
-        """The next pass for a batch of `running` rows whose widest row fills `widest` columns:
-        a prefill of (some of) the admitted requests, else a decode of every running row."""
-        if not self.pending:
-            if self.continuous:
-                self.pending = self.admit(running, widest)
-            elif running == 0:
-                self.pending = self.next_batch()
-        if not self.pending:
-            return SchedulerOutput(num_decode_rows=running)
-        width = max(widest, *(s.max_len for s in self.pending))
-        layout = self._layout_for(running + len(self.pending), width)
-        group, self.pending = self.prefill_group(self.pending)
-        return SchedulerOutput(prefill=group, layout=layout)
+    # -- the plan -----------------------------------------------------------------------------
 
-    def _layout_for(self, rows: int, width: int) -> tuple[int, int] | None:
-        """The KV layout a batch of `rows` rows of up to `width` columns needs, or None when the
-        current one already holds it (then nothing moves and captured graphs stay valid)."""
-        slots, cur_width = self.layout
-        if slots >= rows and cur_width >= width:
-            return None
-        width = round_up(width, self.width_align)
-        # As many slots as the pool holds at this width: later (narrower) batches then fit the
-        # same layout, and continuous mode has room to refill.
-        slots = max(rows, min(self.max_num_seqs, self.pool_capacity // width))
-        self.layout = (slots, width)
-        return self.layout
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n, out):
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
 
-    def next_batch(self) -> list[Sequence]:
-        """static: the next batch, taken when the previous one has drained; as many rows as the
-        budget allows, sized rows x (longest prompt + largest max_tokens)."""
-        self._sort(key=lambda s: (s.num_prompt_tokens, s.params.max_tokens, -s.index))
-        k = longest_prompt = largest_max_tokens = 0
+    def _grow(self, seq: Sequence, tokens: int, out: SchedulerOutput) -> bool:
+        """Gives `seq` the blocks `tokens` positions need, preempting the most recently admitted
+        rows while none are free. False when `seq` itself was preempted."""
+        need = self.pool.blocks_for(tokens) - len(seq.block_ids)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids += self.pool.allocate(need)
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        queue = self._queue()
+        if queue is None:
+            return
+        watermark = int(WATERMARK * self.pool.num_blocks)
+        i = 0
+        while i < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = queue[i]
+            names = self._names(seq, seq.num_tokens - 1)
+            cached = self.pool.match(names)
+            nxt = names[len(cached)] if len(cached) < len(names) else None
+            if nxt is not None and nxt in self.inflight:
+                i += 1  # another row is computing this block right now: share it once it is done
+                continue
+            need = self.pool.blocks_for(seq.num_tokens + 1) - len(cached)
+            free_after = self.pool.num_free - need - sum(self.pool.refs[b] == 0 for b in cached)
+            if free_after < (watermark if self.running else 0):
+                break
+            del queue[i]
+            self.pool.take_cached(cached)
+            seq.block_ids = cached + self.pool.allocate(need)
+            seq.num_computed_tokens = len(cached) * self.pool.block_size
+            seq.cached_tokens += seq.num_computed_tokens
+            self.pool.queried_tokens += seq.num_tokens
+            self.pool.hit_tokens += seq.num_computed_tokens
+            for name in names[len(cached):]:
+                self.inflight.setdefault(name, seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def _queue(self) -> list[Sequence] | None:
+        """The requests that may be admitted now, in order (a list to take them from)."""
+        if not self._sorted:
+            key = (lambda s: (s.max_len, s.num_prompt_tokens, -s.index)) if self.continuous else (
+                lambda s: (s.num_prompt_tokens, s.params.max_tokens, -s.index))
+            fresh = [s for s in self.waiting if not s.output_token_ids]
+            back = [s for s in self.waiting if s.output_token_ids]  # preempted: they go first
+            self.waiting = back + sorted(fresh, key=key, reverse=True)
+            self._sorted = True
+        if self.continuous:
+            return self.waiting
+        if not self.running and not self.cohort:  # the previous batch has drained: form the next
+            self.cohort = self._form_cohort()
+        return self.cohort
+
+    def _form_cohort(self) -> list[Sequence]:
+        """static: the next batch, up to max_num_seqs requests whose prompts fit the pool together."""
+        k, blocks = 0, 0
         for seq in self.waiting:
-            prompt = max(longest_prompt, seq.num_prompt_tokens)
-            new = max(largest_max_tokens, seq.params.max_tokens)
-            if k and (kv_tokens(k + 1, prompt + new) > self.max_batch_tokens or k >= self.max_num_seqs):
-                break
-            k, longest_prompt, largest_max_tokens = k + 1, prompt, new
-        return self._take(k)
-
-    def admit(self, running: int, widest: int) -> list[Sequence]:
-        """continuous: the requests that join a batch of `running` rows whose widest row fills
-        `widest` columns, taken in queue order while rows, KV budget and prefill budget allow."""
-        self._sort(key=lambda s: (s.max_len, s.num_prompt_tokens, -s.index))
-        k = longest_prompt = 0
-        for seq in self.waiting:
-            rows = running + k + 1
-            width = max(widest, seq.max_len)
-            prompt = max(longest_prompt, self._prefill_len(seq))
-            if rows > self.max_num_seqs or kv_tokens(rows, width) > self.max_batch_tokens:
-                break
-            if k and kv_tokens(k + 1, prompt) > self.max_prefill_tokens:
-                break
-            k, widest, longest_prompt = k + 1, width, prompt
-        if running and k < len(self.waiting) and k < self.min_join_fraction * (running + k):
-            return []  # too few rows free yet: keep decoding
-        return self._take(k)
-
-    def prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """Splits off the rows to prefill in one forward pass: rows x longest prompt (less its
-        cached prefix) <= max_prefill_tokens (always at least one row)."""
-        k = longest = 0
-        for seq in pending:
-            longest = max(longest, self._prefill_len(seq))
-            if k and kv_tokens(k + 1, longest) > self.max_prefill_tokens:
+            blocks += self.pool.blocks_for(seq.num_tokens + 1)
+            if k and (k >= self.max_num_seqs or blocks > self.pool.num_blocks):
                 break
             k += 1
-        return pending[:k], pending[k:]
+        cohort, self.waiting = self.waiting[:k], self.waiting[k:]
+        return cohort
 
-    def _prefill_len(self, seq: Sequence) -> int:
-        """Prompt tokens a prefill of `seq` computes."""
-        return seq.num_prompt_tokens - self.cached_tokens(seq)
+    def _names(self, seq: Sequence, limit: int) -> list[bytes]:
+        """Chain names of the full blocks among the row's first `limit` tokens (memoised)."""
+        if len(seq.block_names) < limit // self.pool.block_size:
+            seq.block_names = chain_hashes(seq.token_ids, self.pool.block_size, self.salt, limit, seq.block_names)
+        return seq.block_names[: limit // self.pool.block_size]
 
-    def _sort(self, key) -> None:
-        if not self._sorted:
-            self.waiting.sort(key=key, reverse=True)
-            self._sorted = True
+    # -- after the pass -----------------------------------------------------------------------
 
-    def _take(self, k: int) -> list[Sequence]:
-        taken = self.waiting[:k]
-        del self.waiting[:k]
-        for seq in taken:
-            seq.status = Status.RUNNING
-        return taken
+    def update(self, plan: SchedulerOutput) -> None:
+        """The pass ran: its tokens are in the pool, and full blocks get their names (shareable)."""
+        bs = self.pool.block_size
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            before = seq.num_computed_tokens // bs
+            seq.num_computed_tokens = chunk.start + chunk.count
+            after = seq.num_computed_tokens // bs
+            if after > before and self.pool.caching:
+                names = self._names(seq, after * bs)
+                for i in range(before, after):
+                    self.pool.name(seq.block_ids[i], names[i])
+                    if self.inflight.get(names[i]) is seq:
+                        del self.inflight[names[i]]
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Finished rows leave: their blocks go back to the pool (named ones stay cached)."""
+        for seq in seqs:
+            self._leave(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a running row's blocks and queues it first, to be recomputed from its tokens."""
+        self._leave(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        (self.waiting if self.continuous else self.cohort).insert(0, seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        for name in [n for n, s in self.inflight.items() if s is seq]:
+            del self.inflight[name]

@@ -1,16 +1,15 @@
 """Choice scoring: the log-likelihood of each candidate continuation after a prompt.
 
-For labeling by scoring instead of free generation. Rows are packed into groups under the KV
-budget. Per group, two forward passes:
+For labeling by scoring instead of free generation. Rows are scored in groups whose blocks fit
+the KV pool's free blocks. Per group:
 
-1. the prompts (right-padded), whose last position gives each choice's first token;
-2. every choice of every row at once, after its prompt's keys and values are copied into one
-   cache row per choice (the prompt is computed once, not once per choice). Skipped when every
-   choice is a single token.
+1. the prompts, in chunks under max_num_batched_tokens, into blocks of the pool (a prefix
+   cached there is taken, not computed; rows of a group that share a block not cached yet
+   compute it once); the logits at each prompt's last token score first choice tokens;
+2. every choice longer than one token, as a row whose block table starts with its prompt's
+   full blocks (shared, not copied) and a copy of the prompt's last partial block.
 
-In pass 2 all choices start at the same column (after the longest prompt of the group); the
-attention mask hides the gap after shorter prompts and position ids carry on from each prompt's
-own length, so every choice token sees exactly its prompt and the choice tokens before it.
+Full prompt blocks are named afterwards, so later rows and generation requests reuse them.
 """
 from __future__ import annotations
 
@@ -18,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import kv_tokens
+from engine.block_pool import chain_hashes
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence
 
 LOGITS_BYTES = 256 * 2**20
-"""Pass 2 runs in chunks of choice rows whose float32 logits stay under this size."""
+"""Pass 2 runs in chunks of choice tokens whose float32 logits stay under this size."""
 
 
 @dataclass
@@ -40,106 +40,146 @@ class ChoiceScores:
     """Why the row could not be scored (then logprobs is empty)."""
 
 
-def score_choices(runner, cache: KVCache, prompts: list[list[int]], choices: list[list[list[int]]],
-                  max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
-                  prefix_cache: PrefixCache | None = None) -> list[ChoiceScores]:
+def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
     """prompts[i] and choices[i][j] are token ids; returns one ChoiceScores per row, in order."""
     results: list[ChoiceScores | None] = [None] * len(prompts)
+    pool = llm.pool
     todo = []
     for i, (p, cs) in enumerate(zip(prompts, choices)):
-        need = kv_tokens(len(cs), len(p) + max((len(c) for c in cs), default=0))
+        need = _blocks(pool, p, cs)
         if not p:
             results[i] = ChoiceScores([], [], 0, "empty prompt: a row needs at least one prompt token")
         elif not cs or any(not c for c in cs):
             results[i] = ChoiceScores([], [], len(p), "every row needs at least one non-empty choice")
-        elif len(p) + max(len(c) for c in cs) > max_model_len:
+        elif len(p) + max(len(c) for c in cs) > llm.max_model_len:
             results[i] = ChoiceScores([], [], len(p), f"prompt ({len(p)} tokens) + longest choice exceeds "
-                                                      f"max_model_len ({max_model_len})")
-        elif need > max_batch_tokens or len(cs) > max_num_seqs:
-            results[i] = ChoiceScores([], [], len(p), f"{len(cs)} choices x (prompt {len(p)} + longest choice) "
-                                                      f"= {need} tokens exceeds max_batch_tokens ({max_batch_tokens})"
-                                      if need > max_batch_tokens else
-                                      f"{len(cs)} choices exceed max_num_seqs ({max_num_seqs})")
+                                                      f"max_model_len ({llm.max_model_len})")
+        elif need > pool.num_blocks:
+            results[i] = ChoiceScores([], [], len(p), f"prompt ({len(p)} tokens) and {len(cs)} choices need {need} "
+                                                      f"KV blocks of {pool.block_size}, more than the pool's "
+                                                      f"{pool.num_blocks} (max_batch_tokens)")
         else:
             todo.append(i)
-    for group in _groups(todo, prompts, choices, max_batch_tokens, max_num_seqs):
-        for i, scores in zip(group, _score_group(runner, cache, [prompts[i] for i in group],
-                                                 [choices[i] for i in group], prefix_cache)):
-            results[i] = scores
+    group: list[int] = []
+    used = 0
+    for i in todo + [None]:
+        need = _blocks(pool, prompts[i], choices[i]) if i is not None else 0
+        if group and (i is None or used + need > pool.num_free):
+            for j, scores in zip(group, _score_group(llm, [prompts[j] for j in group], [choices[j] for j in group])):
+                results[j] = scores
+            group, used = [], 0
+        if i is not None:
+            group.append(i)
+            used += need
     return results
 
 
-def _groups(rows, prompts, choices, max_batch_tokens: int, max_num_seqs: int):
-    """Consecutive rows whose choice rows x (longest prompt + longest choice) fit the budget:
-    the cache _score_group allocates."""
-    group, n, longest_prompt, longest_choice = [], 0, 0, 0
-    for i in rows:
-        k = len(choices[i])
-        p = max(longest_prompt, len(prompts[i]))
-        c = max(longest_choice, max(len(x) for x in choices[i]))
-        if group and (kv_tokens(n + k, p + c) > max_batch_tokens or n + k > max_num_seqs):
-            yield group
-            group, n = [], 0
-            p, c = len(prompts[i]), max(len(x) for x in choices[i])
-        group.append(i)
-        n, longest_prompt, longest_choice = n + k, p, c
-    if group:
-        yield group
+def _blocks(pool, prompt: list[int], choices: list[list[int]]) -> int:
+    """Blocks a row needs at most: its prompt's, plus per longer choice a partial copy and its own."""
+    bs = pool.block_size
+    extra = sum(-(-(len(prompt) % bs + len(c)) // bs) for c in choices if len(c) > 1)
+    return -(-len(prompt) // bs) + extra
 
 
 @torch.inference_mode()
-def _score_group(runner, cache: KVCache, prompts: list[list[int]], choices: list[list[list[int]]],
-                 prefix_cache: PrefixCache | None) -> list[ChoiceScores]:
-    device = runner.device
-    plens = torch.tensor([len(p) for p in prompts], device=device)
-    plen = int(plens.max())
-    clen = max(len(c) for cs in choices for c in cs)
-    owner = torch.tensor([i for i, cs in enumerate(choices) for _ in cs], device=device)  # choice row -> prompt row
-    flat = [c for cs in choices for c in cs]
-    cache.set_layout(len(prompts), plen + clen, device=device)
+def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
+    pool, runner, bs = llm.pool, llm.runner, llm.block_size
+    seqs = [Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0)
+            for i, p in enumerate(prompts)]
+    forks: list[Sequence] = []
+    try:
+        last = _prompts(llm, seqs)  # (R, V) logits at each prompt's last token
+        first = torch.log_softmax(last, dim=-1)
+        totals = [[float(first[i, c[0]]) for c in cs] for i, cs in enumerate(choices)]
+        work = []  # (row, choice index, fork)
+        for i, (seq, cs) in enumerate(zip(seqs, choices)):
+            full = len(seq.prompt_token_ids) // bs
+            for j, c in enumerate(cs):
+                if len(c) < 2:
+                    continue
+                fork = Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
+                                params=SamplingParams(max_tokens=1), seed=0)
+                pool.take_cached(seq.block_ids[:full])
+                fork.block_ids = seq.block_ids[:full] + pool.allocate(
+                    pool.blocks_for(fork.num_tokens) - full)
+                if len(seq.prompt_token_ids) % bs:
+                    llm.cache.copy_block(seq.block_ids[full], fork.block_ids[full])
+                forks.append(fork)
+                work.append((i, j, fork))
+        per_pass = max(1, min(llm.max_num_batched_tokens, LOGITS_BYTES // (runner.vocab_size * 4)))
+        start = 0
+        while start < len(work):
+            end, tokens = start, 0
+            while end < len(work) and (end == start or tokens + len(choices[work[end][0]][work[end][1]]) <= per_pass):
+                tokens += len(choices[work[end][0]][work[end][1]]) - 1
+                end += 1
+            chunks = [ScheduledChunk(f, len(prompts[i]), len(choices[i][j]) - 1) for i, j, f in work[start:end]]
+            logits = runner.run(llm.cache, chunks, all_logits=True)
+            lp = torch.log_softmax(logits, dim=-1)
+            t = 0
+            for i, j, _ in work[start:end]:
+                c = choices[i][j]
+                ids = torch.tensor(c[1:], device=lp.device)
+                totals[i][j] += float(lp[t:t + len(c) - 1].gather(1, ids[:, None]).sum())
+                t += len(c) - 1
+            start = end
+    finally:
+        for fork in forks:
+            pool.release(fork.block_ids)
+        for seq in seqs:
+            _name_full_blocks(llm, seq)
+            pool.release(seq.block_ids)
+    return [ChoiceScores(t, [len(c) for c in cs], len(p)) for t, cs, p in zip(totals, choices, prompts)]
 
-    # Pass 1: prompts, right-padded, after the prefix they all share when it is cached; the
-    # logits at each prompt's last token score first choice tokens.
-    rows = list(range(len(prompts)))
-    offset = prefix_cache.shared_prefix(runner, rows, prompts) if prefix_cache is not None else 0
-    ids = torch.zeros((len(prompts), plen - offset), dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p) - offset] = torch.tensor(p[offset:])
-    first = runner.prefill(cache, 0, ids.to(device), plens, offset)
-    if prefix_cache is not None:
-        prefix_cache.store(rows, prompts)
-    first = torch.log_softmax(first, dim=-1)[owner]  # (C, V)
-    firsts = torch.tensor([c[0] for c in flat], device=device)
-    totals = first.gather(1, firsts[:, None])[:, 0]  # (C,)
 
-    if clen > 1:
-        # Pass 2: each choice row starts from a copy of its prompt's keys and values.
-        cache.expand_rows(owner)
-        cids = torch.zeros((len(flat), clen), dtype=torch.int64)
-        for j, c in enumerate(flat):
-            cids[j, : len(c)] = torch.tensor(c)
-        cids = cids.to(device)
-        clens = torch.tensor([len(c) for c in flat], device=device)
-        ccols = torch.arange(clen, device=device)[None, :]
-        all_cols = torch.arange(plen + clen, device=device)[None, :]
-        own_plen = plens[owner][:, None]
-        keys = (all_cols < own_plen) | ((all_cols >= plen) & (all_cols < plen + clens[:, None]))  # (C, plen + clen)
-        later = []
-        # in chunks of rows, so the (rows, choice length, vocab) logits stay under LOGITS_BYTES
-        step = max(1, LOGITS_BYTES // (clen * runner.vocab_size * 4))
-        for a in range(0, len(flat), step):
-            rows = slice(a, a + step)
-            cache.prefill(a, offset=plen)
-            bias = runner.attention_bias(keys[rows], (plen + ccols).expand(keys[rows].shape[0], -1))
-            logits = runner.logits(cids[rows], bias, own_plen[rows] + ccols, cache)  # (r, L, V)
-            # token t+1 of a choice is scored at the position of token t
-            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, cids[rows, 1:, None])[:, :, 0]
-            later.append(lp.masked_fill(ccols[:, 1:] >= clens[rows, None], 0.0).sum(dim=1))
-        totals = totals + torch.cat(later)
+def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
+    """Computes the prompts into pool blocks; -> float32 logits (R, V) at each one's last token.
+    A row whose next uncached block another row of the same pass computes waits for the next
+    pass, so shared prefixes are computed once."""
+    pool, bs = llm.pool, llm.block_size
+    for seq in seqs:
+        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, llm.salt, seq.num_prompt_tokens - 1)
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    pending = list(range(len(seqs)))
+    while pending:
+        chunks, rows, inflight, later, budget = [], [], set(), [], llm.max_num_batched_tokens
+        for r in pending:
+            seq = seqs[r]
+            if not seq.block_ids:  # first visit: take the cached prefix, allocate the rest
+                cached = pool.match(seq.block_names)
+                if len(cached) < len(seq.block_names) and seq.block_names[len(cached)] in inflight:
+                    later.append(r)
+                    continue
+                pool.take_cached(cached)
+                seq.block_ids = cached + pool.allocate(pool.blocks_for(seq.num_prompt_tokens) - len(cached))
+                seq.num_computed_tokens = len(cached) * bs
+                pool.queried_tokens += seq.num_prompt_tokens
+                pool.hit_tokens += seq.num_computed_tokens
+                inflight.update(seq.block_names[len(cached):])
+            if budget <= 0:
+                later.append(r)
+                continue
+            n = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            rows.append(r)
+            budget -= n
+        logits = llm.runner.run(llm.cache, chunks)
+        k = 0
+        for chunk, r in zip(chunks, rows):
+            chunk.seq.num_computed_tokens += chunk.count
+            _name_full_blocks(llm, chunk.seq)
+            if chunk.samples:
+                out[r] = logits[k]
+                k += 1
+            else:
+                later.append(r)
+        pending = sorted(later)
+    return torch.stack(out)
 
-    out, j = [], 0
-    totals = totals.tolist()
-    for p, cs in zip(prompts, choices):
-        out.append(ChoiceScores(totals[j: j + len(cs)], [len(c) for c in cs], len(p)))
-        j += len(cs)
-    return out
+
+def _name_full_blocks(llm, seq: Sequence) -> None:
+    """Names the row's computed full prompt blocks, so later rows find them cached."""
+    full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // llm.block_size
+    names = chain_hashes(seq.prompt_token_ids, llm.block_size, llm.salt, full * llm.block_size, seq.block_names)
+    for i in range(min(full, len(seq.block_ids))):
+        llm.pool.name(seq.block_ids[i], names[i])

@@ -50,10 +50,29 @@ class Sequence:
     """time.perf_counter() when it finished."""
     stop_checker: "StopStringChecker | None" = None
     """Incremental stop-string search while it runs with stop strings; None otherwise."""
+    num_computed_tokens: int = 0
+    """Leading tokens of token_ids whose keys and values are in the pool."""
+    block_ids: list[int] = field(default_factory=list)
+    """The row's block table: pool blocks holding its positions, in order (empty unless running)."""
+    block_names: list[bytes] = field(default_factory=list)
+    """Chain names of its full blocks computed so far (memo for prefix caching)."""
+    cached_tokens: int = 0
+    """Tokens whose keys and values came from cached blocks instead of a forward pass."""
+    preemptions: int = 0
+    """Times it was preempted (its blocks freed, recomputed later)."""
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output so far: what the row's positions hold."""
+        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,0 +1,56 @@
+"""When a row is done and what it says: stop strings, finish reasons, the final text."""
+from __future__ import annotations
+
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer, find_stop
+
+
+def stop_string_hits(tokenizer: Tokenizer, rows: list[tuple[int, Sequence]]) -> set[int]:
+    """Keys of the rows whose latest tokens complete one of their stop strings (one decode
+    call for all). `rows`: (key, sequence) of rows with stop strings that may stop now."""
+    if not rows:
+        return set()
+    windows = [s.output_token_ids[-s.stop_checker.window:] for _, s in rows]
+    texts = tokenizer.decode_windows(windows)
+    return {key for (key, s), text in zip(rows, texts) if s.stop_checker.found(text)}
+
+
+def is_stop_id(tokenizer: Tokenizer, seq: Sequence, token: int) -> bool:
+    return token in seq.params.stop_token_ids or (token in tokenizer.eos_token_ids and not seq.params.ignore_eos)
+
+
+def finish_rows(tokenizer: Tokenizer, seqs: list[Sequence], now: float) -> None:
+    """Finish reason and text of each finished row; their texts decoded in one call."""
+    outs = [s.output_token_ids for s in seqs]
+    # a stop token that is not EOS stays in token_ids but not in the text
+    keep_last = [not is_stop_id(tokenizer, s, out[-1]) or (out[-1] in tokenizer.eos_token_ids
+                                                           and not s.params.ignore_eos)
+                 for s, out in zip(seqs, outs)]
+    texts = tokenizer.decode_batch([out if keep else out[:-1] for out, keep in zip(outs, keep_last)])
+    for seq, out, keep, text in zip(seqs, outs, keep_last, texts):
+        start = _stops_from(tokenizer, seq)
+        hit = find_stop(text, seq.params.stop, start) if seq.params.stop else None
+        if hit is not None:
+            if not keep:  # the stop string counts from the whole output
+                text = tokenizer.decode(out)
+                hit = find_stop(text, seq.params.stop, start) or hit
+            at, stop = hit
+            seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+            seq.finish("stop", stop)
+        elif is_stop_id(tokenizer, seq, out[-1]):
+            seq.text = text
+            seq.finish("stop", None if keep else out[-1])
+        else:
+            seq.text = text
+            seq.finish("length")
+        seq.stop_checker = None
+        seq.finish_time = now
+
+
+def _stops_from(tokenizer: Tokenizer, seq: Sequence) -> int:
+    """Where in the text a stop string may start: one that ends within the first min_tokens
+    tokens does not count (min_tokens holds back stop strings as it holds back EOS)."""
+    if not seq.params.min_tokens or not seq.params.stop:
+        return 0
+    head = tokenizer.decode(seq.output_token_ids[: seq.params.min_tokens])
+    return max(0, len(head) - max(len(s) for s in seq.params.stop) + 1)

@@ -117,7 +117,7 @@ class Scheduler:
             return f"{what} exceeds max_model_len ({self.max_model_len})"
         pool_tokens = self.pool.num_blocks * self.pool.block_size
         if need > pool_tokens:
-            return f"{what} exceeds the KV pool's {pool_tokens} tokens (max_batch_tokens)"
+            return f"{what} exceeds the KV pool: max_batch_tokens ({pool_tokens})"
         return None
 
     def has_work(self) -> bool:
@@ -209,10 +209,13 @@ class Scheduler:
         return self.cohort
 
     def _form_cohort(self) -> list[Sequence]:
-        """static: the next batch, up to max_num_seqs requests whose prompts fit the pool together."""
-        k, blocks = 0, 0
+        """static: the next batch, up to max_num_seqs requests whose prompts fit the pool together
+        (a block several of them share counts once)."""
+        k, blocks, seen = 0, 0, set()
         for seq in self.waiting:
-            blocks += self.pool.blocks_for(seq.num_tokens + 1)
+            names = self._names(seq, seq.num_tokens - 1) if self.pool.caching else []
+            blocks += self.pool.blocks_for(seq.num_tokens + 1) - sum(n in seen for n in names)
+            seen.update(names)
             if k and (k >= self.max_num_seqs or blocks > self.pool.num_blocks):
                 break
             k += 1

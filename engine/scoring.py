@@ -56,8 +56,8 @@ def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]])
                                                       f"max_model_len ({llm.max_model_len})")
         elif need > pool.num_blocks:
             results[i] = ChoiceScores([], [], len(p), f"prompt ({len(p)} tokens) and {len(cs)} choices need {need} "
-                                                      f"KV blocks of {pool.block_size}, more than the pool's "
-                                                      f"{pool.num_blocks} (max_batch_tokens)")
+                                                      f"KV blocks of {pool.block_size} tokens, more than the pool "
+                                                      f"holds: max_batch_tokens ({llm.pool_tokens})")
         else:
             todo.append(i)
     group: list[int] = []

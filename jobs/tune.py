@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine.config import CPU_POOL_TOKENS
+
 from jobs.spec import JobSpec
 
 SCHEDULING = ("static", "continuous")
@@ -86,7 +88,7 @@ def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_
               scheduling: list[str] | tuple[str, ...] = SCHEDULING) -> list[Setting]:
     """Every combination of the given values; an axis left out takes the spec's value and one
     other: max_batch_tokens x 1 and 2, max_num_seqs x 1/4 and 1 (8 settings with both modes)."""
-    mbt, mns = spec.engine.max_batch_tokens, spec.engine.max_num_seqs
+    mbt, mns = spec.engine.max_batch_tokens or CPU_POOL_TOKENS, spec.engine.max_num_seqs
     bad = [m for m in scheduling if m not in SCHEDULING]
     if bad or not scheduling:
         raise ValueError(f"scheduling must be among {', '.join(SCHEDULING)}, got {', '.join(bad) or 'none'}")

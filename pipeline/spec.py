@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engine import EngineConfig, SamplingParams
+from engine.config import CPU_POOL_TOKENS
 from engine.config import DEFAULT_MODEL
 
 
@@ -191,6 +192,11 @@ class JobSpec(_Section):
                                                      "input": {"storage_options"},
                                                      "workers": {"num", "gpus", "cpus", "resource_wait_s"},
                                                      "report": True, "max_error_rate": True})
+        # Pure execution knobs never change output rows: they never count.
+        for knob in EXECUTION_FIELDS:
+            data["engine"].pop(knob, None)
+        if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
+            data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
         # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
         defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
         for path in ADDED_FIELDS:
@@ -206,8 +212,10 @@ class JobSpec(_Section):
 ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
                 ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
-                ("workers", "shard_bytes"))
+                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
+EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens")
+"""Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""
 
 
 def check_task(spec: JobSpec) -> None:

@@ -153,18 +153,22 @@ class ShardWorker(EngineActor):
             except Exception as exc:  # noqa: BLE001
                 if not is_out_of_memory(exc):
                     raise
-                if len(budgets) == MAX_OOM_HALVINGS or self.engine_config.max_batch_tokens < 2:
+                if len(budgets) == MAX_OOM_HALVINGS or self._pool_tokens() < 2:
                     raise FatalShardError(f"out of memory at engine.max_batch_tokens="
-                                          f"{self.engine_config.max_batch_tokens} after {len(budgets)} halvings: "
+                                          f"{self._pool_tokens()} after {len(budgets)} halvings: "
                                           f"{one_line(exc)}") from exc
                 budgets.append(self._halve_budget())
 
+    def _pool_tokens(self) -> int:
+        """The KV pool's tokens: the configured max_batch_tokens, else what the engine sized."""
+        if self.engine_config.max_batch_tokens is not None:
+            return self.engine_config.max_batch_tokens
+        return getattr(self.engine, "pool_tokens", None) or 8192
+
     def _halve_budget(self) -> int:
         config = self.engine_config
-        budget = config.max_batch_tokens // 2
-        prefill = config.max_prefill_tokens
-        self.engine_config = replace(config, max_batch_tokens=budget,
-                                     max_prefill_tokens=min(prefill, budget) if prefill else None)
+        budget = self._pool_tokens() // 2
+        self.engine_config = replace(config, max_batch_tokens=budget)
         log.warning("out of memory on a shard: rebuilding the engine with max_batch_tokens=%d", budget)
         self.engine = self.tasks = None  # let the old engine's memory go before the new one loads
         gc.collect()
@@ -277,8 +281,8 @@ def _empty_device_cache() -> None:
 
 def _cached_tokens(engine) -> int:
     """Prompt tokens the engine has served from its prefix cache so far."""
-    cache = getattr(engine, "prefix_cache", None)
-    return cache.hit_tokens if cache is not None else 0
+    pool = getattr(engine, "pool", None)
+    return pool.hit_tokens if pool is not None else 0
 
 
 def _token_logprob(tokenizer, step: dict[int, float], n: int) -> oai.TokenLogprob:

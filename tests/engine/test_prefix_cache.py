@@ -1,15 +1,22 @@
-"""Prefix caching: shared prompt blocks computed once; results equal caching off."""
+"""Prefix caching on the paged pool: shared prompt blocks computed once and held once (every
+row that has them references the same blocks); results equal caching off."""
 from __future__ import annotations
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SCHEDULING_MODES
-from engine.prefix_cache import BLOCK_SIZE, block_hashes
+from engine.block_pool import BlockPool, chain_hashes, hash_salt
 from test_parity import assert_same_tokens, reference
 
 PREFIX = "Label the sentiment of the review as positive or negative. Review:"  # 66 bytes: ends mid-block
 REVIEWS = [" great film", " awful, just awful", " fine I guess", " loved every minute of it", " meh", " no"]
+BLOCK_SIZE = 16
+SALT = hash_salt("m", None, "float32")
+
+
+def block_hashes(tokens, limit=None):
+    return chain_hashes(tokens, BLOCK_SIZE, SALT, limit)
 
 
 def engine(path, on: bool, mode: str = "static", **kw) -> LLMEngine:
@@ -26,6 +33,39 @@ def test_block_hashes_name_the_whole_prefix():
     assert block_hashes(a)[0] == block_hashes(a[:16])[0]
     assert not set(block_hashes(a)) & set(block_hashes(b))
     assert block_hashes(a, limit=31) == block_hashes(a)[:1]
+    assert all(len(h) == 32 for h in block_hashes(a))  # sha256: no 64-bit collisions
+    # another model, revision or dtype names the same tokens differently
+    assert not set(chain_hashes(a, BLOCK_SIZE, hash_salt("m", None, "bfloat16"))) & set(block_hashes(a))
+    assert not set(chain_hashes(a, BLOCK_SIZE, hash_salt("m", "v2", "float32"))) & set(block_hashes(a))
+
+
+def test_freed_chains_are_evicted_tail_first_and_unnamed_blocks_reused_first():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    chain = pool.allocate(3)
+    names = [b"a", b"b", b"c"]
+    for blk, name in zip(chain, names):
+        pool.name(blk, name)
+    scratch = pool.allocate(1)
+    pool.release(chain)
+    pool.release(scratch)
+    # the unnamed block goes first, then free never-named blocks, then the chain's tail, its head last
+    order = pool.allocate(6)
+    assert order[0] == scratch[0]
+    assert order.index(chain[2]) < order.index(chain[1]) < order.index(chain[0])
+    assert pool.match(names) == []  # all evicted
+
+
+def test_shared_blocks_are_referenced_not_copied():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    first = pool.allocate(2)
+    pool.name(first[0], b"x"), pool.name(first[1], b"y")
+    found = pool.match([b"x", b"y", b"z"])
+    assert found == first
+    pool.take_cached(found)
+    assert [pool.refs[b] for b in first] == [2, 2] and pool.num_free == 6
+    pool.release(first)
+    pool.release(found)
+    assert pool.num_free == 8 and pool.match([b"x", b"y"]) == first  # unreferenced, still cached
 
 
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
@@ -53,7 +93,7 @@ def test_a_prefix_is_reused_across_generate_calls(tiny_model_dir):
     assert llm.batch_stats[-1].cached_prompt_tokens == 0
     llm.generate([PREFIX + REVIEWS[1]], params)
     assert llm.batch_stats[-1].cached_prompt_tokens > 0
-    assert llm.prefix_cache.hit_rate > 0
+    assert llm.prefix_cache_hit_rate > 0
 
 
 def test_rows_that_share_nothing_hit_nothing_and_are_unchanged(tiny_model_dir):
@@ -66,21 +106,40 @@ def test_rows_that_share_nothing_hit_nothing_and_are_unchanged(tiny_model_dir):
     assert sum(s.cached_prompt_tokens for s in on.batch_stats) == 0
 
 
-def test_more_prefixes_than_the_store_holds_evicts_and_stays_correct(tiny_model_dir):
-    """A 4-block store and 6 distinct 3-block prefixes, each used twice: blocks are evicted least
-    recently used first, the store never grows, and every result equals caching off."""
+def test_more_prefixes_than_the_pool_keeps_evicts_and_stays_correct(tiny_model_dir):
+    """A pool of 8 blocks and 6 distinct 3-block prefixes, each used twice: freed blocks are
+    reused least recently freed first, and every result equals caching off."""
     path = tiny_model_dir("llama")
     prefixes = [f"prefix {i} " + chr(97 + i) * 40 for i in range(6)]
     prompts = [p + s for s in (" one", " two") for p in prefixes]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    on = engine(path, True, max_num_seqs=1, prefix_cache_tokens=4 * BLOCK_SIZE)
+    on = engine(path, True, max_num_seqs=1, max_batch_tokens=8 * BLOCK_SIZE)
     got = [o.token_ids for o in on.generate(prompts, params)]
     assert got == [o.token_ids for o in engine(path, False, max_num_seqs=1).generate(prompts, params)]
-    assert len(on.prefix_cache.blocks) <= 4 and on.prefix_cache.num_blocks == 4
+    assert len(on.pool.cached) <= 8
     # each prefix is evicted before its second use comes round: nothing reusable survived
-    assert on.prefix_cache.hit_tokens == 0
+    assert on.pool.hit_tokens == 0
     on.generate([prompts[-1]], params)  # but the most recent prefix is still there
     assert on.batch_stats[-1].cached_prompt_tokens > 0
+
+
+def test_prefix_cache_tokens_is_accepted_and_ignored_with_a_warning(tiny_model_dir):
+    with pytest.warns(DeprecationWarning, match="ignored"):
+        config = EngineConfig(model="builtin:tiny", prefix_cache_tokens=64)
+    assert LLMEngine(config).pool_tokens == 8192
+
+
+def test_rows_sharing_a_prefix_hold_it_once_in_the_pool(tiny_model_dir):
+    """64 rows after one 384-token prefix fit a 2,048-token pool together (copied per row they
+    would need 25,000 tokens): the prefix's 24 blocks are held once, by every row."""
+    llm = engine(tiny_model_dir("llama"), True, max_batch_tokens=2048, max_num_seqs=64)
+    prefix = [1] + [3 + i % 200 for i in range(383)]
+    prompts = [prefix + [210 + i % 40, 211] for i in range(64)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(o.finish_reason == "length" for o in outs)
+    st = llm.batch_stats[0]
+    assert st.peak_rows == 64 and st.preemptions == 0
+    assert st.cached_prompt_tokens == 63 * 384 and st.reserved_tokens <= 2048
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_caching_on_or_off(tiny_model_dir):
@@ -101,14 +160,15 @@ def test_choice_scores_equal_caching_off(tiny_model_dir):
     want = engine(path, False).score_choices(prompts, choices)
     for a, b in zip(got, want):
         assert a.error is None and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-    assert on.prefix_cache.hit_rate > 0.5
+    assert on.prefix_cache_hit_rate > 0.5
 
 
 def test_identical_prompts_whose_length_is_a_multiple_of_the_block_share_one_prefill(tiny_model_dir):
     """The block holding the last prompt token is never cached, so it must not make identical
     prompts wait for each other: one row computes the shared blocks, the rest then join together."""
-    llm = engine(tiny_model_dir("llama"), True, max_prefill_tokens=4096)
+    llm = engine(tiny_model_dir("llama"), True, max_num_batched_tokens=4096)
     prompt = [1] + [40 + i % 50 for i in range(2 * BLOCK_SIZE - 1)]  # exactly 2 blocks
     outs = llm.generate([prompt] * 8, SamplingParams(max_tokens=3, temperature=0))
     assert len({tuple(o.token_ids) for o in outs}) == 1
     assert llm.batch_stats[0].prefill_steps <= 2
+    assert llm.batch_stats[0].cached_prompt_tokens == 7 * BLOCK_SIZE  # the last block is computed by each row

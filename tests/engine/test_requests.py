@@ -26,11 +26,11 @@ def script(llm, text: str, monkeypatch):
     for a, b in successor.items():
         table[a] = b
 
-    def forward(input_ids, attention_mask, position_ids, cache, last=None):
-        current = input_ids[:, -1] if last is None else input_ids.gather(1, last)[:, 0]
+    def run(cache, chunks, keep=None, all_logits=False):
+        current = torch.tensor([c.seq.token_ids[c.start + c.count - 1] for c in chunks if c.samples])
         return torch.nn.functional.one_hot(table[current], llm.runner.vocab_size).float() * 50
 
-    monkeypatch.setattr(llm.runner, "forward", forward)
+    monkeypatch.setattr(llm.runner, "run", run)
     return ids
 
 
@@ -195,7 +195,7 @@ def test_continuous_refills_freed_rows_and_keeps_input_order():
     outs, stats = {}, {}
     for mode in ("static", "continuous"):
         llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=4 * 48, max_num_seqs=4,
-                                     scheduling=mode, max_prefill_tokens=64))
+                                     scheduling=mode, max_num_batched_tokens=64))
         outs[mode] = llm.generate(prompts, params)
         stats[mode] = llm.batch_stats
         assert [o.index for o in outs[mode]] == list(range(12))
@@ -215,11 +215,14 @@ def test_continuous_mode_fails_bad_requests_alone():
     assert "max_batch_tokens (64)" in outs[1].error and "empty prompt" in outs[2].error
 
 
-def test_prefill_cap_defaults_to_1024_tokens_on_cpu_and_can_be_set():
-    assert LLMEngine(EngineConfig(model="builtin:tiny", device="cpu")).scheduler.max_prefill_tokens == 1024
-    small = LLMEngine(EngineConfig(model="builtin:tiny", device="cpu", max_batch_tokens=512))
-    assert small.scheduler.max_prefill_tokens == 512  # never above the KV budget
-    assert LLMEngine(EngineConfig(model="builtin:tiny", max_prefill_tokens=300)).scheduler.max_prefill_tokens == 300
+def test_batched_tokens_default_to_1024_on_cpu_and_the_old_name_still_sets_them():
+    assert LLMEngine(EngineConfig(model="builtin:tiny", device="cpu")).scheduler.max_num_batched_tokens == 1024
+    assert LLMEngine(EngineConfig(model="builtin:tiny", max_num_batched_tokens=300)).scheduler.max_num_batched_tokens == 300
+    with pytest.warns(DeprecationWarning, match="max_num_batched_tokens"):
+        old = EngineConfig(model="builtin:tiny", max_prefill_tokens=300)
+    assert old.max_num_batched_tokens == 300 and old.max_prefill_tokens is None
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(max_prefill_tokens=300, max_num_batched_tokens=200)
 
 
 def test_requests_record_first_token_and_finish_times():

@@ -1,103 +1,139 @@
-"""Batch formation: pure logic, no model."""
+"""The scheduler over the block pool, fed by hand (no model): admission on demand, chunked
+prefill under the pass budget, preemption of the most recently admitted row, static cohorts."""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
 
 
-def seq(i, prompt_len, max_tokens):
-    return Sequence(index=i, prompt_token_ids=[5] * prompt_len, params=SamplingParams(max_tokens=max_tokens), seed=0)
+def seq(i: int, prompt: int, max_tokens: int = 8) -> Sequence:
+    return Sequence(index=i, prompt_token_ids=[100 + i] * prompt, params=SamplingParams(max_tokens=max_tokens), seed=0)
 
 
-def drain(s: Scheduler):
-    batches = []
-    while s.has_waiting():
-        batches.append(s.next_batch())
-    return batches
+def scheduler(blocks: int, rows: int = 64, batched: int = 1024, continuous: bool = True, caching: bool = False):
+    return Scheduler(BlockPool(blocks, 4, caching=caching), rows, max_model_len=4096,
+                     max_num_batched_tokens=batched, continuous=continuous)
 
 
-def test_batches_respect_token_budget_and_row_limit():
-    s = Scheduler(max_batch_tokens=1000, max_num_seqs=4, max_model_len=4096)
-    seqs = [seq(i, 10 + (i * 37) % 200, 8 + (i * 13) % 50) for i in range(40)]
-    for q in seqs:
-        assert s.add(q)
-    batches = drain(s)
-    assert sorted(q.index for b in batches for q in b) == list(range(40))
-    for b in batches:
-        assert len(b) <= 4
-        reserved = len(b) * (max(q.num_prompt_tokens for q in b) + max(q.params.max_tokens for q in b))
-        assert reserved <= 1000
-        assert all(q.status is Status.RUNNING for q in b)
+def run(s: Scheduler, plan, sample_token: int = 7) -> list[Sequence]:
+    """What the engine does after a pass: tokens computed, one sampled per finished chunk,
+    rows at max_tokens finished."""
+    s.update(plan)
+    done = []
+    for c in plan.chunks:
+        if c.samples:
+            c.seq.output_token_ids.append(sample_token)
+            if c.seq.num_output_tokens >= c.seq.params.max_tokens:
+                c.seq.finish("length")
+                done.append(c.seq)
+    s.finish(done)
+    return done
 
 
-def test_longest_first_and_similar_lengths_together():
-    s = Scheduler(max_batch_tokens=10_000, max_num_seqs=2, max_model_len=4096)
-    for i, n in enumerate([5, 300, 7, 290, 100, 110]):
-        s.add(seq(i, n, 10))
-    assert [[q.num_prompt_tokens for q in b] for b in drain(s)] == [[300, 290], [110, 100], [7, 5]]
+def test_rows_are_admitted_for_what_they_need_now_not_prompt_plus_max_tokens():
+    # 8-token prompts, max_tokens 500: 3 blocks of 4 each now (prompt + next token), not 127
+    s = scheduler(blocks=40)
+    for i in range(10):
+        s.add(seq(i, 8, max_tokens=100))
+    plan = s.schedule()
+    assert len(plan.admitted) == 10 and all(len(q.block_ids) == 3 for q in plan.admitted)
+    assert plan.num_tokens == 80 and all(c.samples for c in plan.chunks)
+
+
+def test_long_prompts_are_cut_into_chunks_and_decode_rows_go_first():
+    s = scheduler(blocks=200, batched=32)
+    s.add(seq(0, 10))
+    run(s, s.schedule())  # row 0 prefilled and sampled
+    s.add(seq(1, 70))
+    plan = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 10, 1), (1, 0, 31)]
+    assert not plan.chunks[1].samples
+    run(s, plan)
+    plan = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 11, 1), (1, 31, 31)]
+    run(s, plan)
+    plan = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 12, 1), (1, 62, 8)] and plan.chunks[1].samples
+
+
+def test_when_the_pool_runs_out_the_most_recently_admitted_row_is_preempted_and_resumed():
+    s = scheduler(blocks=6)
+    a, b = seq(0, 8, max_tokens=12), seq(1, 8, max_tokens=12)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    assert plan.admitted == [a, b]  # 3 blocks each: the pool is full
+    run(s, plan)
+    preempted = []
+    while s.has_work():
+        plan = s.schedule()
+        preempted += plan.preempted
+        run(s, plan)
+    assert preempted and preempted[0] is b and a.preemptions == 0 and b.preemptions >= 1
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 12
+    assert s.pool.num_free == 6 and s.preemptions == len(preempted)
+
+
+def test_a_preempted_row_comes_back_with_its_output_as_prompt():
+    s = scheduler(blocks=6)
+    a, b = seq(0, 8, max_tokens=12), seq(1, 8, max_tokens=12)
+    s.add(a), s.add(b)
+    run(s, s.schedule())
+    while not b.preemptions:
+        run(s, s.schedule())
+    assert b.status is Status.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    kept = b.num_output_tokens
+    while b.status is not Status.RUNNING:
+        plan = s.schedule()
+        run(s, plan)
+    back = next(c for c in plan.chunks if c.seq is b)
+    assert back.start == 0 and back.count == 8 + kept  # prompt and output so far, recomputed
+
+
+def test_static_batches_admit_no_new_row_until_they_drain():
+    s = scheduler(blocks=100, rows=2, continuous=False)
+    rows = [seq(i, 8, max_tokens=2 + i) for i in range(3)]
+    for r in rows:
+        s.add(r)
+    first = s.schedule()
+    assert len(first.admitted) == 2
+    run(s, first)
+    seen = set()
+    while s.has_work():
+        plan = s.schedule()
+        if plan.admitted:
+            seen.add(plan.admitted[0].index)
+            assert not s.running[:-1] or all(q.status is Status.RUNNING for q in s.running)
+            assert len(s.running) == 1  # the third joins only once the first batch drained
+        run(s, plan)
+    assert seen == {0}  # longest first: rows 2 and 1 formed the first batch
 
 
 def test_requests_that_can_never_fit_fail_with_the_limit_named():
-    s = Scheduler(max_batch_tokens=100, max_num_seqs=4, max_model_len=64)
-    too_long = seq(0, 60, 10)
-    too_big = seq(1, 30, 10)
-    empty = seq(2, 0, 10)
-    s2 = Scheduler(max_batch_tokens=30, max_num_seqs=4, max_model_len=64)
-    assert not s.add(too_long) and too_long.finish_reason == "error"
-    assert "max_model_len (64)" in too_long.error and "70" in too_long.error
-    assert not s2.add(too_big) and "max_batch_tokens (30)" in too_big.error
+    s = scheduler(blocks=8)  # 32 tokens
+    big = seq(0, 30, max_tokens=8)
+    assert not s.add(big) and "max_batch_tokens (32)" in big.error
+    long = Scheduler(BlockPool(100, 4), 8, max_model_len=16, max_num_batched_tokens=64)
+    r = seq(1, 10, max_tokens=8)
+    assert not long.add(r) and "max_model_len (16)" in r.error
+    empty = Sequence(index=2, prompt_token_ids=[], params=SamplingParams(), seed=0)
     assert not s.add(empty) and "empty prompt" in empty.error
-    assert s.add(seq(3, 10, 10))
-    assert [q.index for q in s.next_batch()] == [3]
 
 
-def test_single_request_at_exact_budget_runs():
-    s = Scheduler(max_batch_tokens=50, max_num_seqs=4, max_model_len=64)
-    assert s.add(seq(0, 40, 10))
-    assert len(s.next_batch()) == 1
-
-
-def test_continuous_admission_respects_rows_budget_and_prefill_cap():
-    s = Scheduler(max_batch_tokens=1000, max_num_seqs=4, max_model_len=4096, max_prefill_tokens=120)
-    for i, (p, m) in enumerate([(50, 150), (40, 100), (30, 60), (20, 20), (10, 10), (10, 5)]):
-        s.add(seq(i, p, m))
-    # widest first: 200 columns; the prefill cap (rows x longest prompt <= 120) allows 2 rows
-    first = s.admit(running=0, widest=0)
-    assert [q.index for q in first] == [0, 1]
-    assert [q.index for q in s.admit(running=2, widest=200)] == [2, 3]  # 4 x 200 = 800 <= 1000
-    assert s.admit(running=4, widest=200) == []  # no free row
-    assert [q.index for q in s.admit(running=3, widest=200)] == [4]  # one row freed
-    assert s.admit(running=4, widest=140) == []
-    assert [q.index for q in s.admit(running=3, widest=140)] == [5]
-    assert not s.has_waiting()
-
-
-def test_continuous_admission_waits_for_kv_budget():
-    s = Scheduler(max_batch_tokens=300, max_num_seqs=8, max_model_len=4096)
-    for i in range(3):
-        s.add(seq(i, 50, 50))
-    assert len(s.admit(running=0, widest=0)) == 3  # 3 x 100 = 300
-    s.add(seq(3, 10, 10))
-    assert s.admit(running=3, widest=100) == []  # 4 x 100 > 300
-    assert [q.index for q in s.admit(running=2, widest=100)] == [3]
-
-
-def test_continuous_refill_waits_for_a_share_of_the_batch_when_asked():
-    s = Scheduler(max_batch_tokens=10_000, max_num_seqs=16, max_model_len=4096, min_join_fraction=0.25)
-    for i in range(21):
-        s.add(seq(i, 10, 10))
-    assert len(s.admit(running=0, widest=0)) == 16  # an empty batch fills at once
-    assert s.admit(running=15, widest=20) == []  # 1 of 16 rows free: below a quarter
-    assert s.admit(running=13, widest=20) == []  # 3 of 16
-    assert len(s.admit(running=12, widest=20)) == 4  # 4 of 16: a quarter joins in one prefill
-    assert len(s.admit(running=15, widest=20)) == 1  # the last waiting request never waits
-    assert not s.has_waiting()
-
-
-def test_prefill_groups_split_under_the_prefill_cap():
-    s = Scheduler(max_batch_tokens=10_000, max_num_seqs=64, max_model_len=4096, max_prefill_tokens=100)
-    pending = [seq(i, n, 4) for i, n in enumerate([40, 30, 30, 120, 5])]
-    groups = []
-    while pending:
-        group, pending = s.prefill_group(pending)
-        groups.append([q.num_prompt_tokens for q in group])
-    assert groups == [[40, 30], [30], [120], [5]]  # a prompt over the cap still runs, alone
+def test_rows_sharing_an_uncomputed_prefix_wait_for_the_first_to_compute_it():
+    s = scheduler(blocks=100, caching=True)
+    shared = [5] * 16
+    rows = [Sequence(index=i, prompt_token_ids=shared + [i, i], params=SamplingParams(max_tokens=4), seed=0)
+            for i in range(3)]
+    for r in rows:
+        s.add(r)
+    plan = s.schedule()
+    assert len(plan.admitted) == 1
+    run(s, plan)
+    plan = s.schedule()  # the prefix is named now: the others take its blocks
+    others = [r for r in plan.admitted]
+    assert len(others) == 2 and all(r.num_computed_tokens == 16 for r in others)
+    first = plan.chunks[0].seq
+    assert all(r.block_ids[:4] == first.block_ids[:4] for r in others)
+    assert all(s.pool.refs[b] == 3 for b in first.block_ids[:4])

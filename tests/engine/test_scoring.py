@@ -56,14 +56,13 @@ def test_rows_that_cannot_be_scored_fail_alone():
     assert "max_batch_tokens (64)" in out[4].error
 
 
-def test_groups_budget_counts_longest_prompt_plus_longest_choice():
-    from engine.scoring import _groups
+def test_a_row_needs_its_prompt_blocks_once_and_per_longer_choice_a_partial_copy():
+    from engine.block_pool import BlockPool
+    from engine.scoring import _blocks
 
-    prompts = [[1] * 40, [1]]
-    choices = [[[2], [3]], [[2] * 40]]
-    # together: 3 choice rows x (40 + 40) = 240 > 100, though each row alone fits
-    assert list(_groups([0, 1], prompts, choices, max_batch_tokens=100, max_num_seqs=64)) == [[0], [1]]
-    assert list(_groups([0, 1], prompts, choices, max_batch_tokens=240, max_num_seqs=64)) == [[0, 1]]
+    pool = BlockPool(num_blocks=64, block_size=16)
+    assert _blocks(pool, [1] * 40, [[2], [3]]) == 3  # one-token choices are scored from the prompt's logits
+    assert _blocks(pool, [1] * 40, [[2] * 40, [3]]) == 3 + 3  # 8 tokens of the partial block + 40
 
 
 def test_second_pass_in_row_chunks_gives_the_same_scores(monkeypatch):

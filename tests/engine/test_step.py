@@ -46,54 +46,73 @@ MIXED = [SamplingParams(max_tokens=12, temperature=0),
          SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, stop_token_ids=[7])]
 
 
+class HostReads:
+    """Counts what moves device values to the host besides dispatched ops: .cpu(), .tolist()
+    and .nonzero() on tensors (on a GPU each one waits for the stream)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in ("cpu", "tolist", "nonzero"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _name=name, _original=original, **k):
+                self.calls.append(_name)
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
-def test_decode_steps_read_nothing_from_the_device_but_the_sampled_tokens(llm_factory, mode):
-    """Sampling, penalties, min_tokens, stop strings, stop ids, the mask and the forward pass:
-    no item()/bool() on a tensor in any decode step (on a GPU each would stall the stream)."""
+def test_each_step_reads_the_device_once(llm_factory, mode, monkeypatch):
+    """Sampling, penalties, min_tokens, stop strings, stop ids and the forward pass, in decode
+    steps and in passes that carry prefill chunks: no item()/bool() on a tensor, and exactly
+    one transfer to the host (the sampled tokens and finish flags)."""
     llm = llm_factory(mode)
     prompts = ["hello there", "a much longer prompt than the others, to pad", "x", "stop strings here", "ids"]
     for p, sp in zip(prompts, MIXED):
         llm.add_request(p, sp)
-    decode_steps = 0
+    reads = HostReads(monkeypatch)
+    steps = prefill_steps = 0
     while llm.has_unfinished():
-        decode = llm.batch.num_rows > 0 and not llm.scheduler.pending and not (
-            mode == "continuous" and llm.scheduler.has_waiting())
+        before = llm.scheduler.waiting + llm.scheduler.cohort
+        reads.calls.clear()
         with SyncCounter() as counter:
             llm.step()
-        if decode:
-            decode_steps += 1
-            assert counter.syncs == [], f"decode step {decode_steps} synced: {counter.syncs}"
-    assert decode_steps >= 8
+        steps += 1
+        prefill_steps += bool(set(map(id, before)) - set(map(id, llm.scheduler.waiting + llm.scheduler.cohort)))
+        assert counter.syncs == [], f"step {steps} synced: {counter.syncs}"
+        assert reads.calls == ["cpu"], f"step {steps} read the device: {reads.calls}"
+    assert steps >= 8 and prefill_steps >= 1
 
 
 def test_the_kv_pool_is_allocated_once_and_reused(llm_factory):
     llm = llm_factory("static")
     llm.generate(["short", "a bit longer prompt"], SamplingParams(max_tokens=8, temperature=0))
     layer = llm.cache.layers[0]
-    pointer, size = layer.flat_keys.data_ptr(), llm.cache.nbytes()
-    # other widths, row counts and scoring: the same buffers, laid out differently
+    pointer, size = layer.keys.data_ptr(), llm.cache.nbytes()
+    # other lengths, row counts and scoring: the same buffers
     llm.generate(["y" * 200, "z"], SamplingParams(max_tokens=40, temperature=0))
     llm.generate(["q"] * 8, SamplingParams(max_tokens=3, temperature=0))
     llm.score_choices(["Is it good?"], [[" yes", " no"]])
-    assert layer.flat_keys.data_ptr() == pointer and llm.cache.nbytes() == size
-    assert llm.cache.capacity == 4096
+    assert layer.keys.data_ptr() == pointer and llm.cache.nbytes() == size
+    assert llm.cache.capacity == 4096 and llm.pool.num_free == llm.pool.num_blocks
 
 
-def test_a_wider_request_joining_keeps_the_running_rows(llm_factory):
-    """continuous: a request wider than the layout relays the pool out in place; rows already
-    running keep their keys and values (their tokens equal a run on their own)."""
-    llm = llm_factory("continuous")
-    alone = llm.generate(["first row"], SamplingParams(max_tokens=30, temperature=0))[0].token_ids
-    llm.add_request("first row", SamplingParams(max_tokens=30, temperature=0))
-    seq = llm.scheduler.waiting[0]
-    for _ in range(5):
-        llm.step()
-    layout = llm.cache.rows, llm.cache.width
-    llm.add_request("w" * 300, SamplingParams(max_tokens=60, temperature=0))
-    while llm.has_unfinished():
-        llm.step()
-    assert (llm.cache.rows, llm.cache.width) != layout
-    assert seq.output_token_ids == alone
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_preempted_rows_give_the_tokens_of_a_run_that_never_preempts(mode):
+    """A pool too small for every row to grow: rows are preempted and recomputed, and greedy and
+    seeded rows come out token for token as with a pool that holds everything."""
+    prompts = [f"row {i}: " + "abcdefgh"[i % 8] * (5 + 3 * i) for i in range(8)]
+    params = [SamplingParams(max_tokens=40, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(8)]
+    roomy = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=4096, max_num_seqs=8, scheduling=mode))
+    tight = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=320, max_num_seqs=8, scheduling=mode))
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert sum(s.preemptions for s in tight.batch_stats) > 0
+    assert sum(s.preemptions for s in roomy.batch_stats) == 0
+    assert got == want
+    assert all(s.reserved_tokens <= 320 for s in tight.batch_stats)
 
 
 def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_factory):
@@ -113,11 +132,11 @@ def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_facto
 
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
 def test_logprob_rows_and_plain_rows_in_one_batch(llm_factory, mode):
-    """A prefill group without logprob rows joins a batch that has one (separate prefills)."""
+    """Rows with and without logprobs in one pass; prompts longer than the pass budget arrive in chunks."""
     llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=1024, max_num_seqs=4,
-                                 max_prefill_tokens=8, scheduling=mode))
+                                 max_num_batched_tokens=8, scheduling=mode))
     outs = llm.generate(["abcdef", "ghijkl", "mnopqr"],
                         [SamplingParams(max_tokens=4, temperature=0, logprobs=2),
                          SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=5, temperature=0)])
     assert len(outs[0].logprobs) == len(outs[0].token_ids) and outs[1].logprobs is None
-    assert llm.batch_stats[0].prefill_steps == 3
+    assert sum(s.prefill_steps for s in llm.batch_stats) >= 3  # 21 prompt tokens, 8 per pass

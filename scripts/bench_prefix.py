@@ -41,7 +41,7 @@ def run(prompts, on: bool, mode: str, device: str, task: str):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    hit = llm.prefix_cache.hit_rate if llm.prefix_cache is not None else 0.0
+    hit = llm.prefix_cache_hit_rate
     return seconds, out, hit
 
 

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import PagedKVCache
 from engine.loader import load_model, load_tokenizer, resolve_model_dir
+from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ModelRunner:
         self.all_sliding = bool(self.sliding_window) and (not layer_types or layer_types == {"sliding_attention"})
         """Every layer attends within the window (then positions before it are never read)."""
         pack_lm_head(self.model, self.device, self.dtype)
+        self.longrope = rowwise_longrope(self.model)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -153,6 +155,9 @@ class ModelRunner:
             if not keep:
                 keep = []
         cache.meta = meta
+        if self.longrope is not None:
+            flags = [c.seq.num_tokens > self.longrope.original for c in chunks for _ in range(c.count)]
+            self.longrope.long_tokens = torch.tensor(flags, device=self.device) if any(flags) else None
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
                   "position_ids": torch.tensor([positions], device=self.device)}
         index = None if all_logits else torch.tensor(keep, dtype=torch.int64, device=self.device)

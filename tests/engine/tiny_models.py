@@ -8,13 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
-                          Qwen2Config, Qwen3Config, AutoModelForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig,
+                          GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OPTConfig,
+                          Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from engine.builtin import byte_tokenizer
 
 VOCAB = 259
 ARCHS = ("llama", "qwen2", "gpt2", "gpt_neox", "opt", "mistral", "phi3", "qwen3")
+MORE_ARCHS = ("gemma2", "gemma3", "mixtral", "qwen3_moe", "llama3_rope", "phi3_longrope", "olmo2", "granite")
+"""Families added with the paged pool: soft-capping, mixed sliding/full layers, MoE, rope scalings."""
+LONGROPE_ORIGINAL = 40
+"""phi3_longrope's original_max_position_embeddings: parity prompts run on both sides of it."""
 SLIDING_WINDOW = 24
 """mistral's window: shorter than the parity prompts + outputs, so the window really cuts."""
 
@@ -52,6 +57,36 @@ def tiny_config(arch: str, init: float = 0.3):
         return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                            initializer_range=init, **special)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=init, **special)
+    if arch == "gemma2":
+        return Gemma2Config(**common, head_dim=16, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=16,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=16,
+                                layer_types=["sliding_attention", "full_attention"])
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                              decoder_sparse_step=1)
+    if arch == "llama3_rope":
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if arch == "phi3_longrope":
+        half = 64 // 4 // 2
+        return Phi3Config(**{**common, "max_position_embeddings": 512},
+                          original_max_position_embeddings=LONGROPE_ORIGINAL,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                           "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+    if arch == "olmo2":
+        return Olmo2Config(**common)
+    if arch == "granite":
+        return GraniteConfig(**common, attention_multiplier=0.2, residual_multiplier=0.5, embedding_multiplier=2.0,
+                             logits_scaling=2.0)
     raise ValueError(arch)
 
 

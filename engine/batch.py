@@ -165,18 +165,25 @@ class Batch:
             self.output_counts[idx, tokens] += 1
             self.seen[idx, tokens] = True
         done = (tokens[:, None] == self.stop_ids[rows]).any(dim=1) | (self.steps[rows] >= self.max_tokens[rows])
-        host = torch.stack([tokens, done.long()]).cpu().numpy()  # the step's one device->host transfer
+        top_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        rows_out = [tokens.double(), done.double()]
+        if logprobs is not None and top_n is not None:  # logprobs ride along in the same transfer
+            rows_out.append(logprobs.gather(1, tokens[:, None])[:, 0].double())
+            if top_n:
+                top = logprobs.topk(top_n)
+                rows_out += [*top.values.double().T, *top.indices.double().T]
+        host = torch.stack(rows_out).cpu().numpy()  # the step's one device->host transfer
         now = time.perf_counter()
         slots = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.array(
             [self.row_of[id(s)] for s in seqs])
         self.h_steps[slots] += 1
-        new = host[0].tolist()
+        new = host[0].astype(np.int64).tolist()
         for seq, tok in zip(seqs, new):
             if not seq.output_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_token_ids.append(tok)
-        if logprobs is not None:
-            self._record_logprobs(seqs, tokens, logprobs)
+        if len(host) > 2:
+            _record_logprobs(seqs, host[2:], top_n)
         finished = set(np.flatnonzero(host[1]).tolist())
         text = self.h_text[slots]
         if text.any():
@@ -187,24 +194,6 @@ class Batch:
         done_seqs = [seqs[i] for i in sorted(finished)]
         finish_rows(self.tokenizer, done_seqs, now)
         return done_seqs
-
-    def _record_logprobs(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Rows that asked for logprobs: the chosen token's and the top-N (an opt-in extra transfer)."""
-        local = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not local:  # rows elsewhere in the batch want them, none of these
-            return
-        top_n = max(seqs[i].params.logprobs for i in local)
-        idx = torch.tensor(local, device=logprobs.device)
-        chosen = logprobs[idx].gather(1, tokens[idx][:, None])[:, 0].tolist()
-        top = logprobs[idx].topk(max(top_n, 1)) if top_n else None
-        top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-        for j, i in enumerate(local):
-            seq = seqs[i]
-            n = seq.params.logprobs
-            entry = {seq.output_token_ids[-1]: chosen[j]}
-            if n:
-                entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
-            seq.logprobs = (seq.logprobs or []) + [entry]
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -276,6 +265,19 @@ class Batch:
         st.generated_tokens = sum(s.num_output_tokens for s in self._all.values())
         st.seconds = time.perf_counter() - self.started
         return st
+
+
+def _record_logprobs(seqs: list[Sequence], host: np.ndarray, top_n: int) -> None:
+    """Rows that asked for logprobs: the chosen token's and their top-N, from the step's
+    transfer (host rows: chosen, then top_n values, then top_n token ids)."""
+    chosen, values, ids = host[0], host[1:1 + top_n], host[1 + top_n:].astype(np.int64)
+    for i, seq in enumerate(seqs):
+        n = seq.params.logprobs
+        if n is None:
+            continue
+        entry = {seq.output_token_ids[-1]: float(chosen[i])}
+        entry.update(zip(ids[:n, i].tolist(), values[:n, i].tolist()))
+        seq.logprobs = (seq.logprobs or []) + [entry]
 
 
 def _features(seq: Sequence) -> list[str]:

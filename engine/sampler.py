@@ -129,7 +129,7 @@ class Sampler:
             logits = logits.masked_fill(banned, float("-inf"))
         if output_counts is not None:
             logits = apply_penalties(logits, st, output_counts, seen)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax(logits)
         if flags.all_greedy:
             return greedy, logprobs
         sampled = self._sample(logits, st, flags, steps)
@@ -141,13 +141,36 @@ class Sampler:
         logits = logits / temp[:, None]
         logits = _filter(logits, st, flags)
         # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits).
-        return (logits + self._gumbel(st.seeds, steps)).argmax(dim=-1)
+        return argmax(logits + self._gumbel(st.seeds, steps))
 
     def _gumbel(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         key = _mix32((seeds & M32) ^ _mix32(((seeds >> 32) & M32) ^ _mix32(steps & M32)))  # (B,)
         bits = _mix32(key[:, None] ^ self._token_keys[None, :]) >> 8  # (B, V), 24 random bits
         u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
         return -torch.log(-torch.log(u))
+
+
+ARGMAX_CHUNKS = 64
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x (B, V) -> (B,) the first index of each row's maximum, as `x.argmax(-1)`, in two cheap
+    passes: the maximum of each of 64 column chunks (a plain reduction, ~10x faster than argmax
+    on CPU at 16k-128k columns), then argmax inside each row's first best chunk only."""
+    b, v = x.shape
+    width = v // ARGMAX_CHUNKS
+    if width < 256 or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    split = ARGMAX_CHUNKS * width
+    main = x[:, :split].view(b, ARGMAX_CHUNKS, width)
+    chunk_max = main.amax(dim=-1)  # (B, C)
+    chunk = chunk_max.argmax(dim=-1)  # (B,) first chunk holding the maximum
+    rows = torch.arange(b, device=x.device)
+    index = chunk * width + main[rows, chunk].argmax(dim=-1)
+    if split < v:  # the last columns: they win only when strictly larger (first index on ties)
+        tail_max, tail_index = x[:, split:].max(dim=-1)
+        index = torch.where(tail_max > chunk_max[rows, chunk], split + tail_index, index)
+    return index
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors, output_counts: torch.Tensor,

@@ -122,6 +122,8 @@ def test_unseeded_requests_are_reproducible_per_engine_seed():
     b = LLMEngine(EngineConfig(model="builtin:tiny", seed=7))
     p = SamplingParams(max_tokens=12, temperature=1.0)
     assert [o.token_ids for o in a.generate(["x", "y"], p)] == [o.token_ids for o in b.generate(["x", "y"], p)]
+    c = LLMEngine(EngineConfig(model="builtin:tiny", seed=8))
+    assert [o.token_ids for o in c.generate(["x", "y"], p)] != [o.token_ids for o in b.generate(["x", "y"], p)]
 
 
 def test_sampling_follows_the_distribution(llm):

@@ -163,3 +163,16 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(tiny_model_dir, refer
                 assert abs(lp - float(ref[step, t])) < 1e-4, (prompt, step, t, lp, float(ref[step, t]))
                 checked += 1
     assert checked >= 2 * 8 * 5
+
+
+def test_two_pass_argmax_equals_argmax_with_ties_and_a_tail():
+    from engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for v in (100, 16384, 16384 + 37, 128256):
+        x = torch.randn(9, v, generator=g)
+        x[1, :] = 0.0  # all tied: the first index
+        x[2, [5, v - 1]] = 50.0  # a tie between the first chunk and the tail
+        x[3, v - 1] = 60.0  # the tail's own maximum
+        x[4, [v // 2, v // 2 + 1]] = 70.0  # a tie inside one chunk
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), v

@@ -43,7 +43,8 @@ MIXED = [SamplingParams(max_tokens=12, temperature=0),
          SamplingParams(max_tokens=14, temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
                         frequency_penalty=0.3, seed=2, min_tokens=4),
          SamplingParams(max_tokens=10, temperature=0, stop=["zz", "\u00e9"]),
-         SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, stop_token_ids=[7])]
+         SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, stop_token_ids=[7]),
+         SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=3)]
 
 
 class HostReads:
@@ -68,9 +69,9 @@ def test_each_step_reads_the_device_once(llm_factory, mode, monkeypatch):
     steps and in passes that carry prefill chunks: no item()/bool() on a tensor, and exactly
     one transfer to the host (the sampled tokens and finish flags)."""
     llm = llm_factory(mode)
-    prompts = ["hello there", "a much longer prompt than the others, to pad", "x", "stop strings here", "ids"]
-    for p, sp in zip(prompts, MIXED):
-        llm.add_request(p, sp)
+    prompts = ["hello there", "a much longer prompt than the others, to pad", "x", "stop strings here", "ids",
+               "logprobs too"]
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, MIXED)]
     reads = HostReads(monkeypatch)
     steps = prefill_steps = 0
     while llm.has_unfinished():
@@ -83,6 +84,7 @@ def test_each_step_reads_the_device_once(llm_factory, mode, monkeypatch):
         assert counter.syncs == [], f"step {steps} synced: {counter.syncs}"
         assert reads.calls == ["cpu"], f"step {steps} read the device: {reads.calls}"
     assert steps >= 8 and prefill_steps >= 1
+    assert len(seqs[-1].logprobs) == seqs[-1].num_output_tokens and all(len(e) >= 3 for e in seqs[-1].logprobs)
 
 
 def test_the_kv_pool_is_allocated_once_and_reused(llm_factory):

@@ -15,11 +15,12 @@ def reference_logprob(model, prompt_ids: list[int], choice_ids: list[int]) -> fl
     return sum(float(lp[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(choice_ids))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "gemma2"])
 @pytest.mark.parametrize("budget", [4096, 100])
 def test_choice_logprobs_match_transformers(arch, budget, tiny_model_dir, reference_model):
-    """Prompts of different lengths in one group, choices of 1-9 tokens, and (budget 60) rows
-    split over several groups: every score equals the independent computation."""
+    """Prompts of different lengths in one group, choices of 1-9 tokens, and (budget 100) rows
+    split over several groups: every score equals the independent computation. mistral and
+    gemma2 have a 24-token window, shorter than the first prompt and its choices."""
     path = tiny_model_dir(arch)
     ref = reference_model(path)
     llm = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=budget))

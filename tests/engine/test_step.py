@@ -142,3 +142,25 @@ def test_logprob_rows_and_plain_rows_in_one_batch(llm_factory, mode):
                          SamplingParams(max_tokens=4, temperature=0), SamplingParams(max_tokens=5, temperature=0)])
     assert len(outs[0].logprobs) == len(outs[0].token_ids) and outs[1].logprobs is None
     assert sum(s.prefill_steps for s in llm.batch_stats) >= 3  # 21 prompt tokens, 8 per pass
+
+
+def test_out_of_memory_in_a_pass_requeues_its_prefills_and_the_engine_carries_on(monkeypatch):
+    """A pass that runs out of memory: its prefill rows go back to the queue, passes get smaller,
+    the pool is intact (every block free again at the end) and the tokens equal an undisturbed run."""
+    prompts = [f"prompt {i} " + "z" * (10 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLMEngine(EngineConfig(model="builtin:tiny")).generate(prompts, params)]
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    real, failed = llm.runner.run, []
+
+    def run(cache, chunks, **kw):
+        if not failed and sum(c.count for c in chunks) > 64:
+            failed.append(len(chunks))
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(cache, chunks, **kw)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert failed and got == want
+    assert llm.scheduler.max_num_batched_tokens == 512
+    assert llm.pool.num_free == llm.pool.num_blocks

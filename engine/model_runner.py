@@ -108,39 +108,36 @@ class ModelRunner:
 
     # -- forward passes -----------------------------------------------------------------------
 
-    def metadata(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[PassMetadata, list[int], list[int]]:
-        """The pass's pool addressing, plus its input tokens and positions (host lists)."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        slots: list[np.ndarray] = []
-        chunk_spans: list[tuple[int, int, int, int]] = []
-        small: list[int] = []
+    def metadata(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[PassMetadata, list[int], np.ndarray]:
+        """The pass's pool addressing, plus its input tokens (a host list) and positions."""
+        n = len(chunks)
+        counts = np.fromiter((c.count for c in chunks), dtype=np.int64, count=n)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
         width = max(len(c.seq.block_ids) for c in chunks)
-        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        tables = np.zeros((n, width), dtype=np.int32)
+        tokens: list[int] = []
         for r, c in enumerate(chunks):
             ids = c.seq.block_ids
             tables[r, : len(ids)] = ids
-            t0 = len(tokens)
-            end = c.start + c.count
-            tokens += c.seq.token_ids[c.start:end]
-            pos = np.arange(c.start, end)
-            positions += pos.tolist()
-            rows += [r] * c.count
-            slots.append(tables[r][pos // block_size].astype(np.int64) * block_size + pos % block_size)
-            if c.count >= CHUNK_MIN_TOKENS:
-                chunk_spans.append((t0, t0 + c.count, r, c.start))
-            else:
-                small.extend(range(t0, t0 + c.count))
+            tokens += c.seq.tokens_at(c.start, c.start + c.count)
+        rows = np.repeat(np.arange(n), counts)
+        first = np.cumsum(counts) - counts  # each chunk's first token in the pass
+        positions = np.repeat(starts - first, counts) + np.arange(len(rows))
+        slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        long = counts >= CHUNK_MIN_TOKENS
+        spans = [(int(first[r]), int(first[r] + counts[r]), r, int(starts[r])) for r in np.flatnonzero(long).tolist()]
         dev = self.device
+        small = None
+        if spans:
+            small = torch.from_numpy(np.flatnonzero(np.repeat(~long, counts))).to(dev)
         meta = PassMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
-            token_row=torch.tensor(rows, dtype=torch.int32).to(dev),
-            ctx=torch.tensor(positions, dtype=torch.int32).add_(1).to(dev),
-            max_ctx=max(c.start + c.count for c in chunks),
-            small=None if not chunk_spans else torch.tensor(small, dtype=torch.int64).to(dev),
-            chunks=chunk_spans)
+            token_row=torch.from_numpy(rows.astype(np.int32)).to(dev),
+            ctx=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
+            max_ctx=int((starts + counts).max()),
+            small=small,
+            chunks=spans)
         return meta, tokens, positions
 
     @torch.inference_mode()
@@ -156,10 +153,10 @@ class ModelRunner:
                 keep = []
         cache.meta = meta
         if self.longrope is not None:
-            flags = [c.seq.num_tokens > self.longrope.original for c in chunks for _ in range(c.count)]
-            self.longrope.long_tokens = torch.tensor(flags, device=self.device) if any(flags) else None
+            flags = np.repeat([c.seq.num_tokens > self.longrope.original for c in chunks], [c.count for c in chunks])
+            self.longrope.long_tokens = torch.from_numpy(flags).to(self.device) if flags.any() else None
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
-                  "position_ids": torch.tensor([positions], device=self.device)}
+                  "position_ids": torch.from_numpy(positions[None]).to(self.device)}
         index = None if all_logits else torch.tensor(keep, dtype=torch.int64, device=self.device)
         if index is not None and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = index if len(keep) else torch.zeros(1, dtype=torch.int64, device=self.device)

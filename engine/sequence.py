@@ -70,6 +70,15 @@ class Sequence:
         """Prompt and output so far: what the row's positions hold."""
         return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
 
+    def tokens_at(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -5,8 +5,9 @@ torch and transformers) is imported on first use, so that job specs can be read 
 __version__ = "0.1.0"
 
 from engine.config import EngineConfig
-from engine.outputs import BatchStats, Completion
+from engine.outputs import BatchStats, Completion, Sample
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -17,4 +18,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "Completion", "BatchStats", "__version__"]
+__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "Completion", "Sample",
+           "BatchStats", "__version__"]

@@ -1,8 +1,10 @@
 """LLMEngine: takes requests, forms batches, runs them, returns completions in input order."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
+import time
 
 import torch
 from typing import Sequence as Seq
@@ -10,6 +12,8 @@ from typing import Sequence as Seq
 from engine.batch import Batch
 from engine.block_pool import BlockPool, hash_salt
 from engine.config import CPU_POOL_TOKENS, EngineConfig
+from engine.finish import finish_rows
+from engine.grammar import GrammarBackend
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.outputs import BatchStats, Completion
@@ -23,6 +27,13 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """Sample j's seed: sample 0 keeps the request's, so it equals the n = 1 output."""
+    if j == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{j}".encode()).digest()[:8], "big") >> 1
 
 
 class LLMEngine:
@@ -54,6 +65,8 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.continuous, self.salt)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
+        self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
@@ -89,17 +102,27 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
-        """Tokenizes and queues one request; a request that can never run is finished with an error."""
+        """Tokenizes and queues one request (its n samples); a request that can never run is
+        finished with an error. Returns sample 0, whose `group` holds all n when n > 1."""
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(index=self._next_index, prompt_token_ids=[], params=params, seed=seed)
         self._next_index += 1
         try:
             seq.prompt_token_ids = self._tokenize(prompt)
+            if params.structured_outputs is not None:
+                self.grammar.compile(params.structured_outputs)
         except (TypeError, ValueError) as exc:
             seq.fail(str(exc))
             return seq
-        self.scheduler.add(seq)
+        samples = [seq] + [Sequence(index=seq.index, prompt_token_ids=seq.prompt_token_ids, params=params,
+                                    seed=sample_seed(seed, j), sample_index=j) for j in range(1, params.n)]
+        if params.n > 1:
+            seq.group = samples
+        for s in samples:
+            if params.structured_outputs is not None:
+                self.grammar.start(s)
+            self.scheduler.add(s)
         return seq
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -151,11 +174,26 @@ class LLMEngine:
         if not sampled:
             return []
         rows = self.batch.rows(sampled)
+        constrained = [s for s in sampled if s.matcher is not None]
+        if constrained:
+            self.grammar.apply(logits, sampled)
         tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows))
         finished = self.batch.record(sampled, rows, tokens, logprobs)
+        if constrained:
+            finished += self._grammar_complete([s for s in constrained if s.finish_reason is None])
         self.scheduler.finish(finished)
         self.batch.remove(finished)
         return finished
+
+    def _grammar_complete(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Constrained rows whose grammar is complete stop there (also with ignore_eos)."""
+        done = self.grammar.accept(seqs)
+        if done:
+            finish_rows(self.tokenizer, done, time.perf_counter())
+            for seq in done:
+                if seq.finish_reason != "stop":
+                    seq.finish("stop", seq.stop_reason)
+        return done
 
     def _out_of_memory(self, plan: SchedulerOutput, exc: Exception) -> list[Sequence]:
         """A pass ran out of device memory. Its prefill rows go back to the queue (recomputed

@@ -1,7 +1,31 @@
 """What the engine hands back: one Completion per request, and per-batch statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """One of a request's n samples."""
+
+    index: int
+    """Which sample (0 .. n-1); sample j's randomness comes from (seed, j)."""
+    text: str
+    """Generated text (special tokens skipped; cut before a matched stop string)."""
+    token_ids: list[int]
+    """Generated token ids, including the EOS or stop token that ended the sample."""
+    finish_reason: str
+    """"stop", "length" or "error"."""
+    stop_reason: str | int | None = None
+    """The stop string or token id that ended the sample, if any."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token: {token_id: logprob}, when asked."""
+    error: str | None = None
+    """Why the sample failed, when finish_reason is "error"."""
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -24,6 +48,8 @@ class Completion:
     """Per generated token: {token_id: logprob} for the chosen token and the top-N, when asked."""
     stop_reason: str | int | None = None
     """The stop string or token id that ended the request, if any."""
+    samples: list[Sample] = field(default_factory=list)
+    """All n samples (also for n = 1); the fields above are sample 0's."""
 
     @property
     def num_generated_tokens(self) -> int:

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import _field_docs
+from engine.structured_outputs import StructuredOutputsParams
+
+MAX_N = 128
+"""Most samples one request may ask for (n)."""
 
 
 @dataclass
@@ -40,6 +44,10 @@ class SamplingParams:
     """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    n: int = 1
+    """Samples to generate from the prompt (the prompt is computed once); sample j draws from (seed, j)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON Schema, regex, choice list, EBNF grammar or any JSON object (a dict of those keys works too)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +69,10 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        _check_int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):

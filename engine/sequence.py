@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import Completion
+from engine.outputs import Completion, Sample
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +60,12 @@ class Sequence:
     """Tokens whose keys and values came from cached blocks instead of a forward pass."""
     preemptions: int = 0
     """Times it was preempted (its blocks freed, recomputed later)."""
+    sample_index: int = 0
+    """Which of its request's n samples this row is."""
+    matcher: object | None = None
+    """xgrammar matcher of a constrained row (engine.grammar); None otherwise."""
+    group: list["Sequence"] = field(default_factory=list)
+    """On sample 0: every sample of the request, in order (empty for n = 1)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,7 +107,13 @@ class Sequence:
         self.error = message
         self.finish("error")
 
+    def to_sample(self) -> Sample:
+        return Sample(index=self.sample_index, text=self.text or "", token_ids=list(self.output_token_ids),
+                      finish_reason=self.finish_reason or "error", stop_reason=self.stop_reason,
+                      logprobs=self.logprobs, error=self.error)
+
     def to_completion(self) -> Completion:
+        samples = self.group or [self]
         return Completion(
             index=self.index,
             text=self.text or "",
@@ -111,4 +123,5 @@ class Sequence:
             error=self.error,
             logprobs=self.logprobs,
             stop_reason=self.stop_reason,
+            samples=[s.to_sample() for s in samples],
         )

@@ -1,0 +1,112 @@
+"""Structured outputs (xgrammar): constrained rows mixed with plain ones; every output that
+stops is valid; n samples per prompt."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from engine.config import SCHEDULING_MODES
+from schemas import SCHEMAS
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made = {}
+
+    def get(mode: str) -> LLMEngine:
+        if mode not in made:
+            made[mode] = LLMEngine(EngineConfig(model="builtin:tiny", max_num_seqs=32, scheduling=mode))
+        return made[mode]
+
+    return get
+
+
+def check_json(outs, schemas, label: str) -> None:
+    stopped = [(o, s) for o, s in zip(outs, schemas) if o.finish_reason == "stop"]
+    for o, schema in stopped:
+        jsonschema.validate(json.loads(o.text), schema)
+    assert len(stopped) >= 0.9 * len(outs), f"{label}: only {len(stopped)} of {len(outs)} stopped within max_tokens"
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_every_schema_of_the_corpus_gives_valid_json_greedy_and_seeded(engines, mode):
+    assert len(SCHEMAS) >= 30
+    llm = engines(mode)
+    prompts = [f"Item {i}: label it." for i in range(len(SCHEMAS))]
+    greedy = [SamplingParams(max_tokens=256, temperature=0, structured_outputs={"json": s}) for s in SCHEMAS]
+    seeded = [SamplingParams(max_tokens=256, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(
+        json=json.dumps(s))) for i, s in enumerate(SCHEMAS)]
+    check_json(llm.generate(prompts, greedy), SCHEMAS, f"{mode} greedy")
+    check_json(llm.generate(prompts, seeded), SCHEMAS, f"{mode} seeded")
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_regex_choice_grammar_and_plain_rows_in_one_batch(engines, mode):
+    llm = engines(mode)
+    shared = "You are a careful labeler. Answer in the format asked. " * 2  # prefix-cached blocks too
+    params = [SamplingParams(max_tokens=32, temperature=0.9, seed=3, structured_outputs={"regex": r"[a-f]{2,4}-\d{3}"}),
+              SamplingParams(max_tokens=32, temperature=0, structured_outputs={"choice": ["yes", "no", "maybe so"]}),
+              SamplingParams(max_tokens=48, temperature=0.7, seed=4, structured_outputs={
+                  "grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'}),
+              SamplingParams(max_tokens=12, temperature=0),
+              SamplingParams(max_tokens=32, temperature=0, structured_outputs={"json_object": True})]
+    outs = llm.generate([shared + f"row {i}" for i in range(len(params))], params)
+    assert re.fullmatch(r"[a-f]{2,4}-\d{3}", outs[0].text) and outs[0].finish_reason == "stop"
+    assert outs[1].text in {"yes", "no", "maybe so"}
+    assert re.fullmatch(r"\((?:[0-9]|x)(?:,(?:[0-9]|x))*\)", outs[2].text) or outs[2].finish_reason == "length"
+    plain = llm.generate([shared + "row 3"], params[3])[0]
+    assert outs[3].token_ids == plain.token_ids  # a plain row is not touched by its constrained neighbours
+    if outs[4].finish_reason == "stop":
+        assert isinstance(json.loads(outs[4].text), dict)
+
+
+def test_a_row_cut_by_max_tokens_keeps_length_and_is_not_valid(engines):
+    llm = engines("static")
+    out = llm.generate(["x"], SamplingParams(max_tokens=3, temperature=0, structured_outputs={
+        "json": {"type": "object", "properties": {"long": {"type": "string", "minLength": 20}}, "required": ["long"]}}))[0]
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+def test_invalid_constraints_fail_their_request_alone(engines):
+    llm = engines("static")
+    outs = llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=4, structured_outputs={"regex": "(unclosed"}),
+                                          SamplingParams(max_tokens=4, temperature=0),
+                                          SamplingParams(max_tokens=4, structured_outputs={"grammar": "root ::= nope"})])
+    assert outs[0].finish_reason == "error" and "structured_outputs.regex" in outs[0].error
+    assert outs[1].finish_reason == "length"
+    assert outs[2].finish_reason == "error" and "structured_outputs.grammar" in outs[2].error
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="unknown keys"):
+        SamplingParams(structured_outputs={"jsonschema": {}})
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_n_samples_share_the_prompt_and_reproduce_in_any_batch(engines, mode):
+    llm = engines(mode)
+    prompt = "Write something: " + "lorem ipsum " * 6
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=11, n=4)
+    alone = llm.generate([prompt], sp)[0]
+    mixed = llm.generate(["other", prompt, "another one"], [SamplingParams(max_tokens=5, seed=1), sp,
+                                                             SamplingParams(max_tokens=7, temperature=0)])[1]
+    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in mixed.samples]
+    assert [s.index for s in alone.samples] == [0, 1, 2, 3]
+    assert len({tuple(s.token_ids) for s in alone.samples}) > 1  # distinct at temperature 1
+    one = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=11))[0]
+    assert alone.token_ids == one.token_ids == alone.samples[0].token_ids  # sample 0 is the n = 1 output
+    assert len(one.samples) == 1 and one.samples[0].text == one.text
+    stats = llm.batch_stats[-2]
+    assert stats.cached_prompt_tokens >= 3 * (len(llm.tokenizer.encode(prompt)) // 16 * 16)
+
+
+def test_n_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="n must be <= 128"):
+        SamplingParams(n=1000)

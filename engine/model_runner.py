@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import PagedKVCache
 from engine.loader import load_model, load_tokenizer, resolve_model_dir
+from engine.quantization import check_method, quantize_model, weights_nbytes
 from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
 
@@ -74,10 +75,15 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)
         self.hf_tokenizer = load_tokenizer(config, self.model_dir)
+        check_method(config.quantization, self.device)
         self.model = load_model(config, self.model_dir, self.dtype, self.device)
+        self.quantization = config.quantization
+        if self.quantization is not None:
+            quantize_model(self.model, self.quantization, self.dtype)
         text_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = text_config.num_hidden_layers
-        self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        self.vocab_size: int = getattr(head, "out_features", None) or head.weight.shape[0]
         self.max_position_embeddings: int | None = (
             getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
         self.sliding_window: int | None = getattr(text_config, "sliding_window", None)
@@ -88,6 +94,8 @@ class ModelRunner:
         """Every layer attends within the window (then positions before it are never read)."""
         pack_lm_head(self.model, self.device, self.dtype)
         self.longrope = rowwise_longrope(self.model)
+        self.weights_nbytes = weights_nbytes(self.model)
+        """Bytes of the model's weights as held (quantized values, scales, a prepacked head's copy)."""
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

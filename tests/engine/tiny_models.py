@@ -90,13 +90,13 @@ def tiny_config(arch: str, init: float = 0.3):
     raise ValueError(arch)
 
 
-def build_tiny_model(arch: str, out: Path, seed: int = 0, eos_scale: float | None = None) -> Path:
+def build_tiny_model(arch: str, out: Path, seed: int = 0, eos_scale: float | None = None, init: float = 0.3) -> Path:
     """Saves a tiny random `arch` model with the byte tokenizer under `out`; returns `out`.
 
     eos_scale multiplies EOS's row of the output embedding: where the hidden state points its
     way, EOS wins, so greedy rows end by EOS at varied steps (unscaled, they rarely do)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, init))
     if eos_scale is not None:
         with torch.no_grad():
             model.get_output_embeddings().weight[model.config.eos_token_id] *= eos_scale

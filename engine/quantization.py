@@ -1,0 +1,126 @@
+"""Quantized weights: int8 (weight-only, per output channel; CPU and CUDA) and fp8 (e4m3
+weights with per-channel scales and dynamic per-token activation scales; CUDA, compute
+capability >= 8.9).
+
+Every linear layer of the decoder is replaced after loading; the embedding stays in the
+model's dtype (a lookup reads one row per token, so it costs no bandwidth worth saving). The
+LM head is quantized too with int8: it is the largest matrix a decode step reads (on CPU its
+float32 copy would otherwise be prepacked, a second copy of 4 bytes a weight), and its logits
+stay within the tolerance the tests hold. MoE routers stay in the model's dtype (a flipped
+expert choice changes more than a rounding).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+METHODS = ("int8", "fp8")
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3 value."""
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 (N, K) and one scale per output channel (N,)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        w = weight.detach().float().contiguous()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu" and x2.dtype in (torch.float32, torch.bfloat16):
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(x2.dtype))
+        else:  # the portable path: int8 read, converted on the fly, scaled after the product
+            y = (x2 @ self.qweight.to(x2.dtype).T) * self.scale.to(x2.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these int8 values and scales stand for, (N, K) float32."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W in float8 e4m3 and per-channel scales; x gets per-token scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        w = weight.detach().float().contiguous()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        self.register_buffer("qweight", (w / scale[:, None]).to(torch.float8_e4m3fn))
+        self.register_buffer("scale", scale[None, :].contiguous())  # (1, N) float32
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.out_features = w.shape[0]
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
+        xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.qweight.T, scale_a=x_scale, scale_b=self.scale, out_dtype=self.dtype,
+                             bias=self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def check_method(method: str | None, device: torch.device) -> None:
+    """A one-line error for a method this device cannot run."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} or null, got {method!r}")
+    if method == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        where = "CPU" if device.type == "cpu" else (
+            f"{torch.cuda.get_device_name(device)} (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else device.type)
+        raise ValueError(f"quantization fp8 needs a CUDA device of compute capability >= 8.9 (Ada, Hopper), not {where}")
+
+
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
+    """Replaces the model's linear layers in place; returns how many were replaced."""
+    from transformers.pytorch_utils import Conv1D
+
+    make = Int8Linear if method == "int8" else Fp8Linear
+    head = model.get_output_embeddings()
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in ("gate", "router") and isinstance(child, nn.Linear) and child.out_features < 512:
+                continue  # an MoE router: few outputs, and its choice is discrete
+            if child is head and method != "int8":
+                continue
+            if isinstance(child, nn.Linear):
+                weight, bias = child.weight, child.bias
+            elif isinstance(child, Conv1D):  # GPT-2's linears store (in, out)
+                weight, bias = child.weight.T, child.bias
+            else:
+                continue
+            setattr(parent, name, make(weight, bias, dtype).to(weight.device))
+            count += 1
+    return count
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold: parameters and buffers (int8 values and scales too),
+    shared tensors once, plus a CPU-prepacked head's own copy."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:
+            continue
+        key = (t.data_ptr(), t.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    for module in model.modules():
+        packed = getattr(module, "weight", None)
+        if isinstance(packed, torch.Tensor) and packed.is_mkldnn:
+            total += packed.numel() * packed.element_size()
+    return total

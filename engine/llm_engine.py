@@ -59,7 +59,7 @@ class LLMEngine:
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
         self.pool = BlockPool(num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
-                              str(self.runner.kv_dtype), getattr(self.config, "quantization", None))
+                              str(self.runner.kv_dtype), self.runner.quantization)
         """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.max_model_len,
                                    self.max_num_batched_tokens, self.continuous, self.salt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 from engine import hub
@@ -114,6 +115,13 @@ UNSUPPORTED_MODEL_TYPES = {
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
+def read_config(config: EngineConfig, model_dir: Path):
+    """The model's transformers config."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+
+
 def check_architecture(hf_config) -> None:
     """Refuses, in one line naming it, an architecture the engine's paged attention cannot run."""
     text = hf_config.get_text_config(decoder=True)
@@ -128,9 +136,10 @@ def check_architecture(hf_config) -> None:
         raise ModelLoadError(f"{archs} is not supported: its {kind} do not run on the engine's paged KV attention")
 
 
-def load_model(config: EngineConfig, model_dir: Path, dtype, device):
-    """The causal LM in eval mode on `device`, with the engine's paged attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None):
+    """The causal LM in eval mode on `device`, with the engine's paged attention. A
+    compressed-tensors checkpoint is dequantized as it loads (the engine requantizes it)."""
+    from transformers import AutoModelForCausalLM
 
     from engine import attention
 
@@ -141,16 +150,28 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device):
         raise ModelLoadError(f"engine.extra attn_implementation={chosen!r} cannot be used: the engine runs "
                              f"attention over its paged KV pool ({attention.IMPLEMENTATION}); remove the key")
     try:
-        check_architecture(AutoConfig.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code))
+        check_architecture(read_config(config, model_dir))
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load model config from {model_dir}: {one_line(exc)}") from exc
     kwargs = {**config.extra, "attn_implementation": attention.register()}
+    if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
+        try:
+            from transformers.utils.quantization_config import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+        except ImportError as exc:
+            raise ModelLoadError(f"{checkpoint_quantization} checkpoint: {one_line(exc)}") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
-            use_safetensors=None if config.allow_pickle else True, **kwargs)
+        with warnings.catch_warnings():
+            # transformers warns that the checkpoint's own quantization_config wins over ours,
+            # of which only `dequantize` is read anyway: the intended outcome
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                use_safetensors=None if config.allow_pickle else True, **kwargs)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load model from {model_dir}: {one_line(exc)}") from exc
+        what = f"{checkpoint_quantization} checkpoint " if checkpoint_quantization else ""
+        raise ModelLoadError(f"cannot load {what}model from {model_dir}: {one_line(exc)}") from exc
     return model.to(device).eval()

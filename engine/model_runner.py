@@ -11,8 +11,8 @@ from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import PagedKVCache
-from engine.loader import load_model, load_tokenizer, resolve_model_dir
-from engine.quantization import check_method, quantize_model, weights_nbytes
+from engine.loader import load_model, load_tokenizer, read_config, resolve_model_dir
+from engine.quantization import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
 
@@ -75,9 +75,16 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)
         self.hf_tokenizer = load_tokenizer(config, self.model_dir)
-        check_method(config.quantization, self.device)
-        self.model = load_model(config, self.model_dir, self.dtype, self.device)
-        self.quantization = config.quantization
+        try:
+            checkpoint, loads_as = checkpoint_method(read_config(config, self.model_dir))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.checkpoint_quantization = checkpoint
+        """The checkpoint's own quantization (as its config names it), or None."""
+        self.quantization = resolve_method(config.quantization, checkpoint, loads_as, self.device)
+        """The method the engine runs its linear layers with (None: the model's dtype)."""
+        check_method(self.quantization, self.device)
+        self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint)
         if self.quantization is not None:
             quantize_model(self.model, self.quantization, self.dtype)
         text_config = self.model.config.get_text_config(decoder=True)

@@ -70,13 +70,54 @@ class Fp8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
+    """(the checkpoint's quantization method as named in its config, the engine method its
+    weights load into), from config.json's quantization_config; (None, None) for a plain one.
+    compressed-tensors int8 (W8A8) and fp8 checkpoints are dequantized at load and requantized
+    per channel: int8 values and per-channel scales come back exactly."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None, None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    name = qc.get("quant_method", "unknown")
+    if name != "compressed-tensors":
+        return name, None
+    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+    kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+    if kinds == {("int", 8)}:
+        return "compressed-tensors int8", "int8"
+    if kinds == {("float", 8)}:
+        return "compressed-tensors fp8", "fp8"
+    shown = ", ".join(f"{t}{b}" for t, b in sorted(kinds, key=str)) or "no weight scheme"
+    raise ValueError(f"compressed-tensors checkpoint with {shown} weights is not supported (int8 and fp8 are)")
+
+
+def resolve_method(configured: str | None, checkpoint: str | None, loads_as: str | None,
+                   device: torch.device) -> str | None:
+    """The method the engine runs: the configured one, else the checkpoint's; a one-line error
+    when they disagree. An fp8 checkpoint on a device without fp8 runs int8 (with a warning)."""
+    if checkpoint is not None and configured is not None and configured != loads_as:
+        raise ValueError(f"quantization {configured} asked for, but the checkpoint is quantized with {checkpoint}")
+    method = configured or loads_as
+    if configured is None and method == "fp8" and not _has_fp8(device):
+        import logging
+
+        logging.getLogger(__name__).warning("fp8 checkpoint on %s: no fp8 matmuls here, running int8 weights", device)
+        return "int8"
+    return method
+
+
+def _has_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def check_method(method: str | None, device: torch.device) -> None:
     """A one-line error for a method this device cannot run."""
     if method is None:
         return
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} or null, got {method!r}")
-    if method == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+    if method == "fp8" and not _has_fp8(device):
         where = "CPU" if device.type == "cpu" else (
             f"{torch.cuda.get_device_name(device)} (compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})" if device.type == "cuda" else device.type)

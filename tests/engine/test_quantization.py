@@ -108,3 +108,87 @@ def test_fp8_off_cuda_and_unknown_methods_are_one_line_errors():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int4")
+
+
+def compressed_int8_checkpoint(src, out):
+    """A compressed-tensors W8A8 int8 checkpoint of the model in `src`: int8 weights with one
+    scale per output channel, dynamic per-token int8 activations, the LM head left as it is."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    state, packed = load_file(out / "model.safetensors"), {}
+    for key, value in state.items():
+        if key.endswith(".weight") and value.dim() == 2 and "embed" not in key and "lm_head" not in key:
+            scale = value.abs().amax(1, keepdim=True) / 127
+            packed[key] = torch.round(value / scale).clamp(-127, 127).to(torch.int8)
+            packed[key[: -len("weight")] + "weight_scale"] = scale
+        else:
+            packed[key] = value
+    save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return packed
+
+
+def test_a_compressed_tensors_int8_checkpoint_loads_into_the_int8_kernels(peaked, tmp_path):
+    from safetensors.torch import save_file
+
+    src = peaked("llama")
+    packed = compressed_int8_checkpoint(src, tmp_path / "w8a8")
+    llm = LLMEngine(EngineConfig(model=str(tmp_path / "w8a8")))
+    assert llm.runner.checkpoint_quantization == "compressed-tensors int8" and llm.runner.quantization == "int8"
+    q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int8Linear)
+    assert torch.equal(q_proj.qweight, packed["model.layers.0.self_attn.q_proj.weight"])  # the same int8 values
+    # the same model with the dequantized weights, run in float32
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    for f in src.iterdir():
+        (dense / f.name).write_bytes(f.read_bytes())
+    weights = {k: v for k, v in packed.items() if not k.endswith("weight_scale")}
+    for k in list(weights):
+        if weights[k].dtype == torch.int8:
+            weights[k] = weights[k].float() * packed[k[: -len("weight")] + "weight_scale"]
+    save_file(weights, dense / "model.safetensors", metadata={"format": "pt"})
+    ref = LLMEngine(EngineConfig(model=str(dense)))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    got, want = llm.generate(PROMPTS, params), ref.generate(PROMPTS, params)
+    assert sum(a.token_ids == b.token_ids for a, b in zip(got, want)) >= 0.9 * len(PROMPTS)
+    for a, b in zip(got, want):
+        assert abs(next(iter(a.logprobs[0].values())) - next(iter(b.logprobs[0].values()))) < 0.05
+    with pytest.raises(ValueError, match="quantization fp8 asked for, but the checkpoint is quantized with "
+                                         "compressed-tensors int8"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "w8a8"), quantization="fp8"))
+
+
+def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one_line(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from engine.errors import ModelLoadError
+
+    out = tmp_path / "w4"
+    shutil.copytree(tiny_model_dir("llama"), out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                         "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                         "group_size": 32}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="compressed-tensors checkpoint with int4 weights is not supported"):
+        LLMEngine(EngineConfig(model=str(out)))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        LLMEngine(EngineConfig(model=str(out)))
+    assert "awq" in str(err.value) and "\n" not in str(err.value)

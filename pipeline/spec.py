@@ -214,7 +214,7 @@ class JobSpec(_Section):
 ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
                 ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
-                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"))
+                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""

@@ -29,6 +29,16 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+def kv_bytes_per_token(runner) -> int:
+    """Keys and values of one token over all layers, from the model's config."""
+    text = runner.model.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", None) or text.n_embd) // heads
+    size = (runner.kv_dtype or runner.dtype).itemsize
+    return 2 * runner.num_layers * kv_heads * head_dim * size
+
+
 def sample_seed(seed: int, j: int) -> int:
     """Sample j's seed: sample 0 keeps the request's, so it equals the n = 1 output."""
     if j == 0:
@@ -76,6 +86,16 @@ class LLMEngine:
     def pool_tokens(self) -> int:
         """Token slots of the KV pool (max_batch_tokens as resolved)."""
         return self.pool.num_blocks * self.block_size
+
+    @property
+    def memory(self) -> dict:
+        """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
+        manifests and `batchinfer tune`. Pool bytes are computed before its first allocation."""
+        per_token = self.cache.nbytes() // self.pool_tokens if self.cache.allocated else kv_bytes_per_token(
+            self.runner)
+        return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
+                "kv_bytes": per_token * self.pool_tokens, "weights_bytes": self.runner.weights_nbytes,
+                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype}
 
     @property
     def prefix_cache_hit_rate(self) -> float:

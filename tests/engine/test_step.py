@@ -164,3 +164,12 @@ def test_out_of_memory_in_a_pass_requeues_its_prefills_and_the_engine_carries_on
     assert failed and got == want
     assert llm.scheduler.max_num_batched_tokens == 512
     assert llm.pool.num_free == llm.pool.num_blocks
+
+
+def test_the_engine_reports_its_pool_and_weights():
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=1000, block_size=8))
+    before = llm.memory
+    llm.generate(["x"], SamplingParams(max_tokens=2))
+    assert llm.memory == before and before["kv_bytes"] == llm.cache.nbytes()
+    assert before["kv_blocks"] == 125 and before["kv_tokens"] == 1000 and before["block_size"] == 8
+    assert before["weights_bytes"] == sum(p.numel() * 4 for p in llm.runner.model.parameters())

@@ -172,4 +172,7 @@ def test_the_engine_reports_its_pool_and_weights():
     llm.generate(["x"], SamplingParams(max_tokens=2))
     assert llm.memory == before and before["kv_bytes"] == llm.cache.nbytes()
     assert before["kv_blocks"] == 125 and before["kv_tokens"] == 1000 and before["block_size"] == 8
-    assert before["weights_bytes"] == sum(p.numel() * 4 for p in llm.runner.model.parameters())
+    model = llm.runner.model
+    tensors = list(model.parameters()) + list(model.buffers())  # the prepacked head is a (mkldnn) buffer
+    assert before["weights_bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+    assert any(t.is_mkldnn for t in tensors)

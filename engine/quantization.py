@@ -153,15 +153,10 @@ def weights_nbytes(model: nn.Module) -> int:
     shared tensors once, plus a CPU-prepacked head's own copy."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_mkldnn:
-            continue
-        key = (t.data_ptr(), t.numel())
-        if key in seen:
-            continue
-        seen.add(key)
+        if not t.is_mkldnn:  # a packed tensor has no data pointer, and is never shared
+            key = (t.data_ptr(), t.numel())
+            if key in seen:
+                continue
+            seen.add(key)
         total += t.numel() * t.element_size()
-    for module in model.modules():
-        packed = getattr(module, "weight", None)
-        if isinstance(packed, torch.Tensor) and packed.is_mkldnn:
-            total += packed.numel() * packed.element_size()
     return total

@@ -52,8 +52,10 @@ def run(config, model, input_, output, overrides, overwrite, address):
 
 def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) -> int:
     """Runs a validated spec; prints the summary; returns the exit code."""
-    from pipeline.runner import Job, JobError, run_job
-    from pipeline.storage import scrub, secret_values
+    from pipeline.errors import JobError
+    from pipeline.io import scrub, secret_values
+    from pipeline.run import run_job
+    from pipeline.spec import Job
 
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
@@ -78,8 +80,8 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
 
 def _progress(secrets):
     """A live bar when stderr is a terminal, plain lines otherwise (logs, cron, ray job submit)."""
-    from pipeline.progress import Progress, ProgressBar
-    from pipeline.storage import scrub
+    from pipeline.io import scrub
+    from pipeline.run import Progress, ProgressBar
 
     stream = click.get_text_stream("stderr")
     write = lambda msg: click.echo(scrub(msg, secrets), err=True)  # noqa: E731
@@ -110,10 +112,9 @@ def summary_table(result) -> str:
 @_spec_options
 def validate(config, model, input_, output, overrides):
     """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
-    from pipeline.dataflow import JobError
-    from pipeline.preflight import preflight
-    from pipeline.source import InputError, plan_shards
-    from pipeline.storage import Storage
+    from pipeline.errors import InputError, JobError
+    from pipeline.io import Storage, plan_shards
+    from pipeline.run import preflight
 
     spec = _load(config, model, input_, output, overrides)
     try:
@@ -140,7 +141,7 @@ def validate(config, model, input_, output, overrides):
               help="fsspec option for the output filesystem (repeatable).")
 def report(output, as_json, options):
     """Summarise a finished or partial job from what its OUTPUT directory holds."""
-    from pipeline.report import output_report
+    from pipeline.run import output_report
 
     try:
         data = output_report(output, dict(o.split("=", 1) for o in options))

@@ -3,7 +3,7 @@
     PYTHONPATH=tests python -m chaos.harness [SCENARIO ...] [--workdir DIR] [--json]   # scripts/chaos.sh
 
 Each scenario runs `python -m jobs.run` (with its own local Ray) over a fresh input, injects
-one fault (through pipeline.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
+one fault (through pipeline.run.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
 proxy in front of S3, or a node removed from a cluster), reruns the job when the first attempt
 did not complete, and reports rows in, rows out, duplicate and lost ids, the outcome, and the
 evidence that the fault fired. A scenario passes when the fault fired and every input id is
@@ -27,8 +27,7 @@ from typing import Callable
 
 from chaos.faults import read_records
 from chaos.proxy import FlakyProxy
-from pipeline.sink import OutputDir
-from pipeline.storage import Storage
+from pipeline.io import OutputDir, Storage
 from services import environment, moto_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +67,7 @@ def python_path() -> str:
 
 
 def hook_env(faults: str) -> dict:
-    """The environment that turns pipeline.chaos's hook on, with chaos.faults set to `faults`."""
+    """The environment that turns pipeline.run.chaos's hook on, with chaos.faults set to `faults`."""
     return {"BATCHINFER_CHAOS_HOOK": "chaos.faults", "BATCHINFER_CHAOS": faults, "PYTHONPATH": python_path()}
 
 
@@ -185,7 +184,7 @@ def node_loss(name: str, work: Path, replacement: bool, while_listing: bool = Fa
     from ray.cluster_utils import Cluster
 
     from jobs.spec import load_spec
-    from pipeline.runner import run_job
+    from pipeline.run import run_job
 
     expected = make_input(work)
     records = str(work / "records.jsonl")

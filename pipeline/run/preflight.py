@@ -8,11 +8,10 @@ from engine.config import EngineConfig
 from engine.echo import ECHO_MODEL, EchoEngine
 from engine.errors import ModelLoadError, one_line
 from engine.loader import check_model_files, load_tokenizer
-from pipeline.dataflow import JobError
-from pipeline.prompts import PromptBuilder, TemplateError
-from pipeline.source import InputError, list_inputs, read_schema_columns
+from pipeline.errors import InputError, JobError, TemplateError
+from pipeline.io import Storage, list_inputs, read_schema_columns
 from pipeline.spec import JobSpec
-from pipeline.storage import Storage
+from pipeline.tasks import PromptBuilder
 
 
 def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:

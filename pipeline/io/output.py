@@ -1,10 +1,13 @@
-"""Output side: parts committed atomically per shard, progress records, manifest, _SUCCESS.
+"""An output directory's whole layout: parts committed atomically per shard, their commit records,
+planning and run records, the final files, _SUCCESS.
 
 Layout of an output directory:
     _job.json             the spec fingerprint: a rerun with another spec is refused
     data/part-<key>.*     one part per input shard, written whole or not at all
     _progress/<key>.json  the shard's commit record (counts, times), written after its part
     _plan/<block>.json    shards and rows planned by one planning task (for partial reports)
+    _runs/<run>.json      a run's record: times, counts, resources (for usage and cost)
+    _lock.json            the run lock of the run writing the output (pipeline.io.lock)
     _index/<run>/*.jsonl  the part index: one line per committed shard (see pipeline.index)
     metrics.json          task eval: metrics over the committed scores (written when complete)
     output.jsonl          openai_batch: every line, in input order (written when complete)
@@ -14,6 +17,7 @@ Layout of an output directory:
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import posixpath
@@ -22,7 +26,9 @@ import pyarrow as pa
 import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
 import pyarrow.parquet as pq
 
-from pipeline.storage import Storage
+from pipeline.io.records import CommitRecord, RunRecord
+from pipeline.io.source import Shard
+from pipeline.io.storage import Storage, with_retries
 
 FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
 """Written from the committed parts once every shard is done (by task / format)."""
@@ -30,10 +36,8 @@ FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
 PLAN_DIR = "_plan"
 """Planning records, one per planning task."""
 
-SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens", "cached_prompt_tokens")
-"""Counts kept per shard and summed per job; `skipped` = malformed lines left out (on_bad_line: skip);
-`cached_prompt_tokens` = prompt tokens served by the engine's prefix cache (0 in records written
-before it was counted)."""
+RUNS_DIR = "_runs"
+"""Run records, one per run."""
 
 
 class OutputDir:
@@ -51,6 +55,11 @@ class OutputDir:
 
     def progress_path(self, key: str) -> str:
         return self.storage.path("_progress", f"{key}.json")
+
+    def identity(self, shard: Shard) -> dict:
+        """The fields of a commit record that say which shard and part it is."""
+        return {"shard": shard.key, "path": self.storage.uri(self.part_path(shard.key)), "file": shard.name,
+                "start": shard.start, "stop": shard.stop, "bytes": shard.byte_stop - shard.byte_start}
 
     # -- job record -----------------------------------------------------------------------------
 
@@ -86,23 +95,29 @@ class OutputDir:
                 keys.add(name[len("part-"): -len(self.ext) - 1])
         return keys
 
-    def commit(self, key: str, table: pa.Table, summary: dict) -> str:
-        """Writes the shard's part (atomically), then its progress record. Returns the part path."""
+    def commit(self, key: str, table: pa.Table, record: CommitRecord) -> str:
+        """Writes the shard's part (atomically), then its commit record. Returns the part path."""
         path = self.part_path(key)
         self.storage.write_atomic(path, encode(table, self.format))
-        self.storage.write_atomic(self.progress_path(key), json.dumps(summary).encode())
+        self.storage.write_atomic(self.progress_path(key), record.to_json().encode())
         return path
 
-    def summary(self, key: str) -> dict:
-        """A committed shard's counts: its progress record, or recounted from the part if the
+    def summary(self, key: str) -> CommitRecord:
+        """A committed shard's record: as written with its part, or recounted from the part if the
         job died between the two writes."""
         path = self.progress_path(key)
         if self.storage.exists(path):
-            return json.loads(self.storage.read_text(path))
-        table = self.read_part(key)
-        summary = summarize(table)
-        self.storage.write_atomic(path, json.dumps(summary).encode())
-        return summary
+            return CommitRecord.from_json(self.storage.read_text(path))
+        record = CommitRecord.counted(self.read_part(key))
+        self.storage.write_atomic(path, record.to_json().encode())
+        return record
+
+    def committed(self, shard: Shard) -> CommitRecord | None:
+        """The commit record of `shard` if its part is committed, else None (storage errors retried)."""
+        if not with_retries(lambda: self.storage.exists(self.part_path(shard.key)), f"checking shard {shard.key}"):
+            return None
+        record = with_retries(lambda: self.summary(shard.key), f"reading the commit record of {shard.key}")
+        return CommitRecord.from_dict({**record.to_dict(), **self.identity(shard)})
 
     def read_part(self, key: str) -> pa.Table:
         data = self.storage.read_bytes(self.part_path(key))
@@ -122,6 +137,40 @@ class OutputDir:
                 yield line, json.loads(line)
 
 
+    # -- runs and planning ----------------------------------------------------------------------
+
+    def write_run(self, run: RunRecord) -> None:
+        run.touch()
+        self.storage.write_atomic(self.storage.path(RUNS_DIR, f"{run.run_id}.json"), json.dumps(run.to_dict()).encode())
+
+    def read_runs(self) -> list[RunRecord]:
+        runs = []
+        for path in self.storage.list(self.storage.path(RUNS_DIR)):
+            if posixpath.basename(path).endswith(".json"):
+                runs.append(RunRecord.from_dict(json.loads(self.storage.read_text(path))))
+        return sorted(runs, key=lambda r: r.started)
+
+    def write_plan_record(self, names: list[str], data: dict) -> None:
+        """The record of one planning task, named after the units it planned (`names`), so that a
+        retried task overwrites its own record."""
+        key = hashlib.sha1("\0".join(names).encode()).hexdigest()[:20]
+        path = self.storage.path(PLAN_DIR, f"{key}.json")
+        with_retries(lambda: self.storage.write_atomic(path, json.dumps(data).encode()), "writing a plan record")
+
+    def plan_summary(self, plan_blocks: int | None) -> dict | None:
+        """Sums of the planning records (tasks, files, shards, rows, seconds of task time), or None
+        while fewer than `plan_blocks` planning tasks (the current run's) have recorded."""
+        records = [p for p in self.storage.list(self.storage.path(PLAN_DIR)) if p.endswith(".json")]
+        if len(records) != plan_blocks:
+            return None
+        total = {"tasks": len(records), "files": 0, "shards": 0, "rows": 0, "seconds": 0.0}
+        for path in records:
+            data = json.loads(self.storage.read_text(path))
+            for k in ("files", "shards", "rows", "seconds"):
+                total[k] += data.get(k, 0)
+        return total
+
+
 def encode(table: pa.Table, fmt: str) -> bytes:
     if fmt == "openai_batch":
         return "".join(line + "\n" for line in table.column("line").to_pylist()).encode("utf-8")
@@ -131,34 +180,3 @@ def encode(table: pa.Table, fmt: str) -> bytes:
         return buf.getvalue()
     return "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n"
                    for row in table.to_pylist()).encode("utf-8")
-
-
-def summarize(table: pa.Table) -> dict:
-    """Counts over an output table: rows, errors, prompt and generated tokens, first causes."""
-    if table.column_names == ["line"]:
-        return _summarize_openai(table)
-    d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
-    errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
-    return {
-        "rows": table.num_rows,
-        "errors": len(errors),
-        "skipped": 0,
-        "prompt_tokens": int(sum(d["num_prompt_tokens"])),
-        "generated_tokens": int(sum(d["num_generated_tokens"])),
-        "error_samples": errors[:3],
-    }
-
-
-def _summarize_openai(table: pa.Table) -> dict:
-    """summarize() over OpenAI Batch output lines."""
-    errors, prompt, generated = [], 0, 0
-    for line in table.column("line").to_pylist():
-        obj = json.loads(line)
-        if obj["error"] is not None:
-            errors.append(obj["error"]["message"])
-        else:
-            usage = obj["response"]["body"]["usage"]
-            prompt += usage["prompt_tokens"]
-            generated += usage["completion_tokens"]
-    return {"rows": table.num_rows, "errors": len(errors), "skipped": 0, "prompt_tokens": prompt,
-            "generated_tokens": generated, "error_samples": errors[:3]}

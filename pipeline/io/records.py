@@ -144,7 +144,7 @@ class RunRecord:
     generate_seconds: float = 0.0
     """Wall time of the shards so far."""
     workers: int = 1
-    """Engine actors (workers.num)."""
+    """Engine actors the run started: workers.num, or fewer when the input has fewer planning tasks."""
     resource: str = "cpu_core"
     """What an actor's time is counted in: gpu, or cpu_core."""
     resource_per_actor: float = 1

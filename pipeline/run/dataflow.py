@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pipeline.errors import JobError
 from pipeline.io import CommitRecord, IndexWriter, RunRecord
 from pipeline.run import chaos
-from pipeline.run.planner import ShardPlan, planned_dataset
+from pipeline.run.planner import ShardPlan, plan_blocks, planned_dataset
 from pipeline.run.ray_env import quiet_ray_data, worker_cause
 from pipeline.run.report import PartTotals
 from pipeline.run.resources import engine_stage_args
@@ -24,9 +24,12 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
     `index` and to the returned totals; the counts of shards committed now are added to `run`."""
     quiet_ray_data()
+    # Each planning task hands its shards on as one block, and a block goes to one actor: an actor
+    # beyond the number of planning tasks would load its model and never get a shard.
+    run.workers = min(job.spec.workers.num, plan_blocks(files, plan.segment_bytes))
     ds = planned_dataset(job.spec, files, resume, plan).map_batches(
         ShardWorker, fn_constructor_kwargs={"job": job}, batch_size=1, batch_format="numpy",
-        **engine_stage_args(job.spec.workers, env=chaos.forwarded_env()))
+        **engine_stage_args(job.spec.workers, actors=run.workers, env=chaos.forwarded_env()))
     totals, earlier = PartTotals(), 0
     progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
     rows = iter(ds.iter_rows())

@@ -54,9 +54,11 @@ class JobResult:
     manifest: dict = field(default_factory=dict)
 
 
-def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
+def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None,
+            log_to_driver: bool = True) -> JobResult:
     """Runs (or resumes) a job: a `Job`, or a validated spec dict (JobSpec.model_dump() with its
-    "fingerprint"). `progress`: a pipeline.run.progress.Progress, or a `message -> None` callable (plain lines)."""
+    "fingerprint"). `progress`: a pipeline.run.progress.Progress, or a `message -> None` callable
+    (plain lines). `log_to_driver`: whether a Ray this starts prints its workers' output here."""
     if isinstance(job, dict):
         job = Job.from_dict(job)
     spec = job.spec
@@ -75,7 +77,7 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     try:
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
-        return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address), progress)
+        return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress)
     finally:
         lock.release()
 

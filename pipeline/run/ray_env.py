@@ -13,12 +13,15 @@ FATAL_ERRORS = (FatalShardError, InputError)
 """Exceptions raised in a Ray task or actor whose message is the job's one-line cause."""
 
 
-def ensure_ray(address: str | None) -> None:
+def ensure_ray(address: str | None, log_to_driver: bool = True) -> None:
+    """Connects to the cluster at `address` (or RAY_ADDRESS), else starts a local Ray, unless Ray is
+    initialised already. `log_to_driver`: print the workers' output here (Ray's default); off,
+    it stays in the Ray session's log files."""
     import ray
 
     if ray.is_initialized():
         return
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
     if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for the driver
         ray.init(address=address, **quiet)
     else:

@@ -120,15 +120,7 @@ class OutputDir:
         return CommitRecord.from_dict({**record.to_dict(), **self.identity(shard)})
 
     def read_part(self, key: str) -> pa.Table:
-        data = self.storage.read_bytes(self.part_path(key))
-        if self.format == "parquet":
-            # A native buffer: reading a Python file object with threads aborts at interpreter exit
-            # once fsspec is imported (pyarrow 26).
-            return pq.read_table(pa.BufferReader(data))
-        lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
-        if self.format == "openai_batch":
-            return pa.table({"line": pa.array(lines, pa.string())})
-        return pa.Table.from_pylist([json.loads(line) for line in lines])
+        return decode(self.storage.read_bytes(self.part_path(key)), self.format)
 
     def iter_lines(self, keys: list[str]):
         """openai_batch: every committed line, part by part in `keys` order, as parsed dicts."""
@@ -169,6 +161,27 @@ class OutputDir:
             for k in ("files", "shards", "rows", "seconds"):
                 total[k] += data.get(k, 0)
         return total
+
+
+def decode(data: bytes, fmt: str) -> pa.Table:
+    """A part's table from its bytes (the inverse of `encode`)."""
+    if fmt == "parquet":
+        return pq.ParquetFile(pa.BufferReader(arrow_owned(data))).read()
+    lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
+    if fmt == "openai_batch":
+        return pa.table({"line": pa.array(lines, pa.string())})
+    return pa.Table.from_pylist([json.loads(line) for line in lines])
+
+
+def arrow_owned(data: bytes) -> pa.Buffer:
+    """`data` copied into memory that Arrow owns. Arrow's thread pools may drop the last reference
+    to a buffer after the call that used it returned; when that buffer wraps a Python object, the
+    pool thread takes the GIL to free it, and if the interpreter is exiting by then, the thread is
+    ended inside a C++ destructor and the process aborts ("terminate called without an active
+    exception", exit code 134). A buffer of Arrow's own needs no GIL to be freed."""
+    buf = pa.allocate_buffer(len(data))
+    memoryview(buf).cast("B")[:] = data
+    return buf
 
 
 def encode(table: pa.Table, fmt: str) -> bytes:

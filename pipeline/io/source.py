@@ -332,7 +332,10 @@ def _parquet_slice(pf: pq.ParquetFile, start: int, stop: int) -> pa.Table:
         row += n
     if not groups:  # the file has fewer rows than planned: nothing of this range is left
         return pf.schema_arrow.empty_table()
-    table = pf.read_row_groups(groups)
+    # One thread: `pf` reads a Python file object, and an Arrow pool thread that dropped the last
+    # reference to it after the interpreter began to exit would abort the process (see
+    # pipeline.io.output.arrow_owned).
+    table = pf.read_row_groups(groups, use_threads=False)
     return table.slice(start - first_row, stop - start)
 
 

@@ -17,8 +17,6 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from pipeline.spec import WorkersSpec
 
-SUMMARY_FIELDS = ("rows", "errors", "skipped", "prompt_tokens", "generated_tokens", "cached_prompt_tokens")
-"""Counts kept per shard and summed per run and per job."""
 
 
 def _known(cls, data: dict) -> dict:
@@ -32,10 +30,40 @@ def _known(cls, data: dict) -> dict:
     return out
 
 
-@dataclass
-class CommitRecord:
-    """One committed shard: which part it is, what it holds and what it cost. Written to
-    `_progress/<shard>.json` with the part, and one line of the part index."""
+@dataclass(kw_only=True)
+class Counts:
+    """The counts kept per shard and summed per run and per job."""
+
+    rows: int = 0
+    """Output rows."""
+    errors: int = 0
+    """Rows with finish_reason "error"."""
+    skipped: int = 0
+    """Malformed lines left out (input.on_bad_line: skip)."""
+    prompt_tokens: int = 0
+    """Prompt tokens over the rows."""
+    generated_tokens: int = 0
+    """Generated tokens over the rows."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens served by the engine's prefix cache (0 in records written before it was counted)."""
+
+    def add(self, other: Counts) -> None:
+        for k in SUMMARY_FIELDS:
+            setattr(self, k, getattr(self, k) + int(getattr(other, k)))
+
+    def counts(self) -> dict:
+        return {k: getattr(self, k) for k in SUMMARY_FIELDS}
+
+
+SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(Counts))
+"""Counts kept per shard and summed per run and per job."""
+
+
+@dataclass(kw_only=True)
+class CommitRecord(Counts):
+    """One committed shard: which part it is, what it holds and what it cost (its Counts are
+    over the part's rows). Written to `_progress/<shard>.json` with the part, and one line of the
+    part index."""
 
     shard: str = ""
     """The shard's key: its part is data/part-<shard>.<ext>."""
@@ -49,18 +77,6 @@ class CommitRecord:
     """One past the shard's last row."""
     bytes: int = 0
     """Input bytes the shard covers (Parquet: its rows' share of the file); progress is measured in them."""
-    rows: int = 0
-    """Output rows in the part."""
-    errors: int = 0
-    """Rows with finish_reason "error"."""
-    skipped: int = 0
-    """Malformed lines left out (input.on_bad_line: skip)."""
-    prompt_tokens: int = 0
-    """Prompt tokens over the part's rows."""
-    generated_tokens: int = 0
-    """Generated tokens over the part's rows."""
-    cached_prompt_tokens: int = 0
-    """Prompt tokens served by the engine's prefix cache (0 in records written before it was counted)."""
     error_samples: list[str] = field(default_factory=list)
     """The first few error messages of the part."""
     worker: str | None = None
@@ -124,10 +140,11 @@ def _counted_openai(table: pa.Table) -> CommitRecord:
                         error_samples=errors[:3])
 
 
-@dataclass
-class RunRecord:
+@dataclass(kw_only=True)
+class RunRecord(Counts):
     """One run of a job (a resumed job has several), kept under `_runs/<run_id>.json` while it goes
-    (rewritten on every lock heartbeat), for the job's usage and cost."""
+    (rewritten on every lock heartbeat), for the job's usage and cost. Its Counts are those of the
+    shards this run committed."""
 
     run_id: str
     """Start time and a random suffix, e.g. 20261130T020000-3fa2c1."""
@@ -149,13 +166,6 @@ class RunRecord:
     """What an actor's time is counted in: gpu, or cpu_core."""
     resource_per_actor: float = 1
     """GPUs per actor, or the CPU cores its engine's threads use."""
-    rows: int = 0
-    """Rows this run committed (SUMMARY_FIELDS: the counts of the shards committed by this run)."""
-    errors: int = 0
-    skipped: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    cached_prompt_tokens: int = 0
     planning: dict | None = None
     """Sums of the planning records (tasks, files, shards, rows, seconds), once the run is done."""
 
@@ -164,16 +174,11 @@ class RunRecord:
         """The record of a run starting now with these workers."""
         per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
         now = time.time()
-        return cls(run_id, now, now, workers=workers.num, resource="gpu" if workers.gpus else "cpu_core",
-                   resource_per_actor=per_actor)
+        return cls(run_id=run_id, started=now, last_seen=now, workers=workers.num,
+                   resource="gpu" if workers.gpus else "cpu_core", resource_per_actor=per_actor)
 
     def start_generating(self) -> None:
         self.generate_started = time.time()
-
-    def add(self, commit: CommitRecord) -> None:
-        """Counts a shard this run committed."""
-        for k in SUMMARY_FIELDS:
-            setattr(self, k, getattr(self, k) + int(getattr(commit, k)))
 
     def touch(self) -> None:
         """Brings the clock fields up to now (while the run is still going)."""
@@ -187,9 +192,6 @@ class RunRecord:
     def end(self, status: str) -> None:
         self.touch()
         self.status, self.finished = status, time.time()
-
-    def counts(self) -> dict:
-        return {k: getattr(self, k) for k in SUMMARY_FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> RunRecord:

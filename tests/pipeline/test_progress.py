@@ -8,7 +8,7 @@ from pipeline.run import Progress, ProgressBar, as_progress
 
 
 def counts(rows, tokens, errors=0):
-    return RunRecord("run", 0.0, 0.0, rows=rows, errors=errors, generated_tokens=tokens)
+    return RunRecord(run_id="run", started=0.0, last_seen=0.0, rows=rows, errors=errors, generated_tokens=tokens)
 
 
 def test_plain_lines_one_per_shard():

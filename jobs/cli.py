@@ -53,7 +53,7 @@ def run(config, model, input_, output, overrides, overwrite, address, verbose):
 
     A rerun of the same spec on the same output resumes: committed shards are skipped."""
     spec = _load(config, model, input_, output, overrides)
-    with QuietTerminal(verbose) as quiet:
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         code = execute(spec, overwrite=overwrite, address=address, verbose=verbose)
         _failed(quiet, code)
     sys.exit(code)
@@ -136,7 +136,7 @@ def validate(config, model, input_, output, overrides, verbose):
     from pipeline.run import preflight
 
     spec = _load(config, model, input_, output, overrides)
-    with QuietTerminal(verbose) as quiet:
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         try:
             files = preflight(spec)
             storage = Storage(spec.input.path, spec.input.storage_options)
@@ -230,7 +230,7 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
     from jobs import tune_report as R
 
     spec = _load(config, model, input_, "(unused by tune)", overrides)
-    with QuietTerminal(verbose) as quiet:
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         try:
             limit = T.parse_bytes(memory_limit) if memory_limit else None
             settings = T.make_grid(spec, _ints(mbt) if mbt else None, _ints(mns) if mns else None,

@@ -27,16 +27,18 @@ _active: QuietTerminal | None = None
 
 
 def terminal():
-    """Where batchinfer's own stderr lines go: the terminal of the command running, else sys.stderr."""
+    """Where batchinfer's own stderr lines go: the stderr of the command running, else sys.stderr."""
     return _active.terminal if _active is not None and _active.terminal is not None else sys.stderr
 
 
 class QuietTerminal:
-    """`with QuietTerminal(verbose) as quiet:` around one command; `quiet.path` is the log file (None
-    when verbose). The file is removed when the block ends without an error, unless `keep` is set."""
+    """`with QuietTerminal(verbose, stderr) as quiet:` around one command; `stderr` is the command's
+    own stream (default sys.stderr). `quiet.path` is the log file (None when verbose). The file is
+    removed when the block ends without an error, unless `keep` is set."""
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, stderr=None):
         self.verbose = verbose
+        self.stderr = stderr
         self.path: str | None = None
         """The log file."""
         self.terminal = None
@@ -47,18 +49,20 @@ class QuietTerminal:
 
     def __enter__(self) -> QuietTerminal:
         global _active
+        stream = self.stderr or sys.stderr
+        previous, _active = _active, self
+        self._undo.callback(globals().__setitem__, "_active", previous)
         if self.verbose:
+            self.terminal = stream
             return self
         fd, self.path = tempfile.mkstemp(prefix="batchinfer-", suffix=".log")
         log = os.fdopen(fd, "w", buffering=1, encoding="utf-8", errors="replace")
         self._undo.callback(log.close)
-        self.terminal = self._point_fd2_at(log)
+        self.terminal = self._point_fd2_at(log, stream)
         before = sys.stderr
         sys.stderr = log
         self._undo.callback(setattr, sys, "stderr", before)
         self._route_warnings(log)
-        previous, _active = _active, self
-        self._undo.callback(globals().__setitem__, "_active", previous)
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
@@ -76,9 +80,8 @@ class QuietTerminal:
             sys.stderr.flush()
         return os.path.getsize(self.path) > 0
 
-    def _point_fd2_at(self, log):
-        """Points descriptor 2 at `log`; returns a stream to the terminal that stderr was."""
-        stream = sys.stderr
+    def _point_fd2_at(self, log, stream):
+        """Points descriptor 2 at `log`; returns a stream to the terminal that `stream` was."""
         try:
             stream.flush()
             saved = os.dup(2)

@@ -8,7 +8,7 @@ Layout of an output directory:
     _plan/<block>.json    shards and rows planned by one planning task (for partial reports)
     _runs/<run>.json      a run's record: times, counts, resources (for usage and cost)
     _lock.json            the run lock of the run writing the output (pipeline.io.lock)
-    _index/<run>/*.jsonl  the part index: one line per committed shard (see pipeline.index)
+    _index/<run>/*.jsonl  the part index: one line per committed shard (see pipeline.io.index)
     metrics.json          task eval: metrics over the committed scores (written when complete)
     output.jsonl          openai_batch: every line, in input order (written when complete)
     errors.jsonl          openai_batch: the failed requests' lines (written when complete)

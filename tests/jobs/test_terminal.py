@@ -1,5 +1,6 @@
 """A quiet terminal: a command prints batchinfer's own lines; what Ray and the libraries print goes
-to a log file, named when the command fails; --verbose shows everything."""
+to a log file, kept when the command fails; --verbose shows everything. (A failed shard's cause
+under `ray job submit`: tests/jobs/test_ray_submit.py.)"""
 from __future__ import annotations
 
 import os
@@ -49,31 +50,19 @@ def test_a_failed_command_keeps_its_log_and_verbose_leaves_everything_as_it_was(
     assert loud.path is None and "ray says something" in capfd.readouterr().err
 
 
-def test_a_plain_run_prints_only_its_own_lines_and_a_failure_names_the_log(tmp_path):
+def test_a_plain_run_off_a_terminal_prints_only_its_own_lines(tmp_path):
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": f"a{i}", "prompt": f"row {i}"} for i in range(8)])
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": f"b{i}", "prompt": f"row {i}"} for i in range(8)])
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "c.jsonl").write_text('{"prompt": "fine"}\n{not json\n')
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TOKENIZERS_PARALLELISM": "false"}
-
-    def run(inp: str, *settings: str):
-        args = [sys.executable, "-m", "jobs.run", "--input", str(tmp_path / inp), "--output", str(tmp_path / inp / "o"),
-                "--set", "model=builtin:echo", "--set", "workers.num=2", "--set", "workers.rows_per_batch=4",
-                *[a for s in settings for a in ("--set", s)]]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-        return done.returncode, done.stdout, done.stderr
-
-    code, out, err = run("in", "input.id_column=id")
-    assert code == 0, out + err
-    strays = [ln for ln in (out + err).splitlines() if ln.strip() and not any(re.fullmatch(p, ln) for p in OURS)]
+    args = [sys.executable, "-m", "jobs.run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+            "--set", "model=builtin:echo", "--set", "workers.num=2", "--set", "workers.rows_per_batch=4",
+            "--set", "input.id_column=id"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    strays = [ln for ln in lines if not any(re.fullmatch(p, ln) for p in OURS)]
     assert not strays, strays
-    code, out, err = run("bad", "input.on_bad_line=fail")
-    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-    assert code == 1 and errors == ["error: c.jsonl line 2: malformed JSON (Expecting property name enclosed in "
-                                    "double quotes: line 1 column 2 (char 1))"], err
-    (log,) = re.findall(r"^\(the log of Ray and the libraries: (.+)\)$", err, flags=re.M)
-    assert Path(log).read_text().strip(), "the log holds what Ray printed"
-    Path(log).unlink()
+    assert any(ln.startswith("[4 shards]") for ln in lines), lines
 
 
 @pytest.mark.parametrize("command", ["run", "validate", "tune"])

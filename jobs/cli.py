@@ -9,7 +9,12 @@ import click
 from engine import __version__
 from jobs.exit_codes import EXIT_ERROR_RATE, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from jobs.spec import JobSpec, SpecError, field_reference, load_spec
+from jobs.terminal import QuietTerminal, terminal
 from jobs.tune import DEFAULT_ROWS
+
+_verbose = click.option("--verbose", is_flag=True,
+                        help="Show everything Ray and the libraries print (by default it goes to a log file, "
+                             "named when the command fails).")
 
 
 def _spec_options(fn):
@@ -26,7 +31,7 @@ def _load(config, model, input_, output, overrides) -> JobSpec:
     try:
         return load_spec(config, list(overrides), model=model, input=input_, output=output)
     except SpecError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {exc}", file=terminal())
         sys.exit(EXIT_USAGE)
 
 
@@ -42,24 +47,39 @@ def main() -> None:
 @_spec_options
 @click.option("--overwrite", is_flag=True, help="Delete what the output path holds and start afresh.")
 @click.option("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: start a local Ray.")
-def run(config, model, input_, output, overrides, overwrite, address):
+@_verbose
+def run(config, model, input_, output, overrides, overwrite, address, verbose):
     """Run (or resume) the job in CONFIG, or over --input with the defaults.
 
     A rerun of the same spec on the same output resumes: committed shards are skipped."""
     spec = _load(config, model, input_, output, overrides)
-    sys.exit(execute(spec, overwrite=overwrite, address=address))
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
+        code = execute(spec, overwrite=overwrite, address=address, verbose=verbose)
+        _failed(quiet, code)
+    sys.exit(code)
 
 
-def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) -> int:
-    """Runs a validated spec; prints the summary; returns the exit code."""
-    from pipeline.runner import Job, JobError, run_job
-    from pipeline.storage import scrub, secret_values
+def _failed(quiet: QuietTerminal, code: int) -> None:
+    """After a command that failed: where the output it kept off the terminal is, if it kept any."""
+    if code != EXIT_OK and quiet.logged():
+        quiet.keep = True
+        click.echo(f"(the log of Ray and the libraries: {quiet.path})", file=terminal())
+
+
+def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None, verbose: bool = True) -> int:
+    """Runs a validated spec; prints the summary; returns the exit code. Not `verbose`: the Ray
+    this starts keeps its workers' output in its session logs."""
+    from pipeline.errors import JobError
+    from pipeline.io import scrub, secret_values
+    from pipeline.run import run_job
+    from pipeline.spec import Job
 
     secrets = secret_values(spec.input.storage_options, spec.output.storage_options)
     try:
-        result = run_job(Job.of(spec), overwrite=overwrite, address=address, progress=_progress(secrets))
+        result = run_job(Job.of(spec), overwrite=overwrite, address=address, progress=_progress(secrets),
+                         log_to_driver=verbose)
     except JobError as exc:
-        click.echo(f"error: {scrub(str(exc), secrets)}", err=True)
+        click.echo(f"error: {scrub(str(exc), secrets)}", file=terminal())
         return EXIT_FAILED
     if result.status == "nothing_to_do":
         click.echo(f"nothing to do: {result.output} is already complete ({result.rows} rows); "
@@ -69,20 +89,20 @@ def execute(spec: JobSpec, overwrite: bool = False, address: str | None = None) 
     if result.status == "error_rate_exceeded":
         rate = result.errors / result.rows
         click.echo(f"error: {result.errors} of {result.rows} rows failed ({rate:.2%} > max_error_rate "
-                   f"{spec.max_error_rate}); first causes:", err=True)
+                   f"{spec.max_error_rate}); first causes:", file=terminal())
         for cause in result.error_samples[:5]:
-            click.echo(f"  - {scrub(cause, secrets)}", err=True)
+            click.echo(f"  - {scrub(cause, secrets)}", file=terminal())
         return EXIT_ERROR_RATE
     return EXIT_OK
 
 
 def _progress(secrets):
     """A live bar when stderr is a terminal, plain lines otherwise (logs, cron, ray job submit)."""
-    from pipeline.progress import Progress, ProgressBar
-    from pipeline.storage import scrub
+    from pipeline.io import scrub
+    from pipeline.run import Progress, ProgressBar
 
-    stream = click.get_text_stream("stderr")
-    write = lambda msg: click.echo(scrub(msg, secrets), err=True)  # noqa: E731
+    stream = terminal()
+    write = lambda msg: click.echo(scrub(msg, secrets), file=stream)  # noqa: E731
     return ProgressBar(stream, write) if stream.isatty() else Progress(write)
 
 
@@ -108,24 +128,26 @@ def summary_table(result) -> str:
 
 @main.command()
 @_spec_options
-def validate(config, model, input_, output, overrides):
+@_verbose
+def validate(config, model, input_, output, overrides, verbose):
     """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
-    from pipeline.dataflow import JobError
-    from pipeline.preflight import preflight
-    from pipeline.source import InputError, plan_shards
-    from pipeline.storage import Storage
+    from pipeline.errors import InputError, JobError
+    from pipeline.io import Storage, plan_shards
+    from pipeline.run import preflight
 
     spec = _load(config, model, input_, output, overrides)
-    try:
-        files = preflight(spec)
-        storage = Storage(spec.input.path, spec.input.storage_options)
-        rows = shards = 0
-        for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
-            rows += shard.stop - shard.start
-            shards += 1
-    except (JobError, InputError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_FAILED)
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
+        try:
+            files = preflight(spec)
+            storage = Storage(spec.input.path, spec.input.storage_options)
+            rows = shards = 0
+            for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
+                rows += shard.stop - shard.start
+                shards += 1
+        except (JobError, InputError) as exc:
+            click.echo(f"error: {exc}", file=terminal())
+            _failed(quiet, EXIT_FAILED)
+            sys.exit(EXIT_FAILED)
     for path, name, fmt in files[:20]:
         click.echo(f"  {fmt:8} {storage.uri(path)}")
     if len(files) > 20:
@@ -140,12 +162,12 @@ def validate(config, model, input_, output, overrides):
               help="fsspec option for the output filesystem (repeatable).")
 def report(output, as_json, options):
     """Summarise a finished or partial job from what its OUTPUT directory holds."""
-    from pipeline.report import output_report
+    from pipeline.run import output_report
 
     try:
         data = output_report(output, dict(o.split("=", 1) for o in options))
     except FileNotFoundError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {exc}", file=terminal())
         sys.exit(EXIT_FAILED)
     if as_json:
         click.echo(json.dumps(data, indent=1, default=str))
@@ -198,7 +220,8 @@ def report_table(data: dict) -> str:
 @click.option("--scheduling", default=",".join(("static", "continuous")), show_default=True, metavar="MODE,...")
 @click.option("--plot", is_flag=False, flag_value="tune.png", default=None, metavar="[PNG]",
               help="Also draw throughput against peak memory (default file tune.png; needs matplotlib).")
-def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, scheduling, plot):
+@_verbose
+def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, scheduling, plot, verbose):
     """Measure batching settings on a sample of the job's input and recommend one.
 
     Runs the sample at each max_batch_tokens x max_num_seqs x scheduling point in this process
@@ -207,14 +230,17 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
     from jobs import tune_report as R
 
     spec = _load(config, model, input_, "(unused by tune)", overrides)
-    try:
-        limit = T.parse_bytes(memory_limit) if memory_limit else None
-        settings = T.make_grid(spec, _ints(mbt) if mbt else None, _ints(mns) if mns else None,
-                               [m.strip() for m in scheduling.split(",") if m.strip()])
-        results = T.run_tune(spec, rows, settings, progress=lambda m: click.echo(m, err=True))
-    except (ValueError, RuntimeError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED)
+    with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
+        try:
+            limit = T.parse_bytes(memory_limit) if memory_limit else None
+            settings = T.make_grid(spec, _ints(mbt) if mbt else None, _ints(mns) if mns else None,
+                                   [m.strip() for m in scheduling.split(",") if m.strip()])
+            results = T.run_tune(spec, rows, settings, progress=lambda m: click.echo(m, file=terminal()))
+        except (ValueError, RuntimeError) as exc:
+            click.echo(f"error: {exc}", file=terminal())
+            code = EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+            _failed(quiet, code)
+            sys.exit(code)
     best = T.recommend(results, limit)
     click.echo(R.table(results, best))
     click.echo(R.summary(results, best, limit))
@@ -222,7 +248,7 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
         try:
             R.plot(results, best, limit, plot)
         except RuntimeError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {exc}", file=terminal())
             sys.exit(EXIT_FAILED)
         click.echo(f"plot: {plot}")
 

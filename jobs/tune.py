@@ -101,8 +101,7 @@ def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_
 def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
     """The first `n` readable rows of the job's input, with their ids (lines that do not parse
     are left out)."""
-    from pipeline.source import list_inputs, plan_shards, read_shard
-    from pipeline.storage import Storage
+    from pipeline.io import Storage, list_inputs, plan_shards, read_shard
 
     storage = Storage(spec.input.path, spec.input.storage_options)
     rows, ids = [], []
@@ -121,7 +120,7 @@ def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -
     """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
     runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
     from engine import SamplingParams
-    from pipeline.worker import start_engine
+    from pipeline.tasks import start_engine
 
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update=setting.__dict__)})
     llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
@@ -162,9 +161,9 @@ def _generate(llm, tasks, rows, ids, start: float) -> tuple[dict, list[float]]:
 
 def _score(tasks, rows, ids) -> tuple[dict, list[float]]:
     """Labeling by choice scoring: the job's own task code; no tokens are generated."""
-    records = tasks.run(rows, ids, [None] * len(rows))
-    return {"errors": sum(r["finish_reason"] == "error" for r in records), "generated_tokens": 0,
-            "prompt_tokens": sum(r["num_prompt_tokens"] for r in records)}, []
+    results = tasks.run(rows, ids, [None] * len(rows))
+    return {"errors": sum(r.finish_reason == "error" for r in results), "generated_tokens": 0,
+            "prompt_tokens": sum(r.num_prompt_tokens for r in results)}, []
 
 
 def kv_bytes_per_token(config) -> int:

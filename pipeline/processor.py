@@ -18,9 +18,10 @@ from typing import Callable
 
 import pyarrow as pa
 
-from pipeline.prompts import PromptBuilder
-from pipeline.spec import JobSpec, SpecError, validate
-from pipeline.worker import EngineActor, output_table, start_engine
+from pipeline.errors import SpecError
+from pipeline.run import EngineActor, engine_stage_args
+from pipeline.spec import JobSpec, validate
+from pipeline.tasks import PromptBuilder, output_table, start_engine
 
 SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed")
 """The job spec's keys a processor takes: all but input, output, report and max_error_rate."""
@@ -53,14 +54,11 @@ class Processor:
     """Output row -> the row returned."""
 
     def __call__(self, ds):
-        import ray
-
         workers = self.spec.workers
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         ds = ds.map_batches(RowWorker, fn_constructor_kwargs={"spec": self.spec}, batch_format="pyarrow",
-                            batch_size=workers.rows_per_batch, compute=ray.data.ActorPoolStrategy(size=workers.num),
-                            num_cpus=workers.cpus, num_gpus=workers.gpus or None)
+                            batch_size=workers.rows_per_batch, **engine_stage_args(workers))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds
@@ -80,8 +78,8 @@ class RowWorker(EngineActor):
     def _rows(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         ids = [row_id(row) for row in rows]
-        records = self.tasks.run(rows, ids, [None] * len(rows))
-        return output_table(self.spec, rows, ids, records)
+        results = self.tasks.run(rows, ids, [None] * len(rows))
+        return output_table(self.spec, rows, ids, results)
 
 
 class RowPrompts(PromptBuilder):

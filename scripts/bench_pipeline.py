@@ -22,7 +22,8 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from jobs.spec import load_spec
-from pipeline.runner import Job, ensure_ray, run_job
+from pipeline.run import ensure_ray, run_job
+from pipeline.spec import Job
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 

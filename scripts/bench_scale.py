@@ -79,9 +79,7 @@ def _peak_rss_kb(pid: int) -> int:
 
 def measure(out_url: str, options: dict, job: dict) -> dict:
     """Figures from what the job left on storage: manifest, index, planning records."""
-    from pipeline.index import entries
-    from pipeline.sink import OutputDir
-    from pipeline.storage import Storage
+    from pipeline.io import OutputDir, Storage, entries
 
     out = OutputDir(Storage(out_url, options), "parquet")
     manifest = out.read_json("manifest.json")
@@ -107,8 +105,7 @@ def measure(out_url: str, options: dict, job: dict) -> dict:
 def bare_engine(folder: Path, model: str, limit: int) -> dict:
     """Rows/s of the engine alone on the case's prompts (model load excluded)."""
     from engine import EngineConfig, SamplingParams
-    from pipeline.tasks import row_seed
-    from pipeline.worker import build_engine
+    from pipeline.tasks import build_engine, row_seed
 
     prompts = []
     for path in sorted(folder.iterdir()):

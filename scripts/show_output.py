@@ -9,10 +9,9 @@ import argparse
 import json
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.index import part_entries
+from pipeline.io import decode
 
 
 def main() -> None:
@@ -28,9 +27,7 @@ def main() -> None:
         if shown == args.rows:
             continue
         with fsspec.open(part["path"], "rb") as f:
-            data = f.read()
-        table = pq.read_table(pa.BufferReader(data)) if manifest["format"] == "parquet" else \
-            pa.Table.from_pylist([json.loads(x) for x in data.splitlines()])
+            table = decode(f.read(), manifest["format"])
         for row in table.to_pylist():
             if shown == args.rows:
                 break

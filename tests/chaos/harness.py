@@ -3,7 +3,7 @@
     PYTHONPATH=tests python -m chaos.harness [SCENARIO ...] [--workdir DIR] [--json]   # scripts/chaos.sh
 
 Each scenario runs `python -m jobs.run` (with its own local Ray) over a fresh input, injects
-one fault (through pipeline.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
+one fault (through pipeline.run.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
 proxy in front of S3, or a node removed from a cluster), reruns the job when the first attempt
 did not complete, and reports rows in, rows out, duplicate and lost ids, the outcome, and the
 evidence that the fault fired. A scenario passes when the fault fired and every input id is
@@ -27,8 +27,7 @@ from typing import Callable
 
 from chaos.faults import read_records
 from chaos.proxy import FlakyProxy
-from pipeline.sink import OutputDir
-from pipeline.storage import Storage
+from pipeline.io import OutputDir, Storage
 from services import environment, moto_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +67,7 @@ def python_path() -> str:
 
 
 def hook_env(faults: str) -> dict:
-    """The environment that turns pipeline.chaos's hook on, with chaos.faults set to `faults`."""
+    """The environment that turns pipeline.run.chaos's hook on, with chaos.faults set to `faults`."""
     return {"BATCHINFER_CHAOS_HOOK": "chaos.faults", "BATCHINFER_CHAOS": faults, "PYTHONPATH": python_path()}
 
 
@@ -83,9 +82,16 @@ def make_input(work: Path, rows: int = ROWS) -> list[str]:
     return ids
 
 
-def job_args(inp: str, out: str, *extra: str) -> list[str]:
+MAX_TOKENS = 24
+"""Tokens per row where a fault needs the job to be generating for a while (a kill mid-generation,
+a node removed mid-job)."""
+FEW_TOKENS = 4
+"""Tokens per row where the fault fires at a named point, whatever the generation takes."""
+
+
+def job_args(inp: str, out: str, *extra: str, tokens: int = MAX_TOKENS) -> list[str]:
     return [sys.executable, "-m", "jobs.run", "--input", inp, "--output", out,
-            "--set", f"workers.rows_per_batch={ROWS_PER_SHARD}", "--set", "sampling.max_tokens=24",
+            "--set", f"workers.rows_per_batch={ROWS_PER_SHARD}", "--set", f"sampling.max_tokens={tokens}",
             "--set", "sampling.ignore_eos=true", *extra]
 
 
@@ -125,13 +131,14 @@ def left_behind(out: Path) -> dict:
 
 
 def two_attempts(name: str, work: Path, fired: Callable[[dict], bool], faults: str | None = None,
-                 kill_after_parts: int = 0) -> Outcome:
+                 kill_after_parts: int = 0, tokens: int = MAX_TOKENS) -> Outcome:
     """First attempt with the fault; a clean rerun if it did not complete. `fired` judges the
-    evidence of the first attempt: its exit code, what it left, the once-file, its log."""
+    evidence of the first attempt: its exit code, what it left, the once-file, its log. `tokens`:
+    generated per row."""
     expected = make_input(work)
     inp, out, log = str(work / "in"), work / "out", work / "job.log"
     started = time.time()
-    proc = start(job_args(inp, str(out)), log, faults)
+    proc = start(job_args(inp, str(out), tokens=tokens), log, faults)
     if kill_after_parts:
         while proc.poll() is None and left_behind(out)["parts"] < kill_after_parts:
             time.sleep(0.1)
@@ -145,7 +152,7 @@ def two_attempts(name: str, work: Path, fired: Callable[[dict], bool], faults: s
     first = f"first run exit {code} after {time.time() - started:.0f}s"
     if code == 0:
         return count(name, expected, str(out), f"{first} -> completed", evidence, fired(evidence))
-    code = finish(start(job_args(inp, str(out)), log))
+    code = finish(start(job_args(inp, str(out), tokens=tokens), log))
     return count(name, expected, str(out), f"{first} -> rerun {'completed' if code == 0 else f'exit {code}'}",
                  evidence, fired(evidence))
 
@@ -166,7 +173,8 @@ def s3_throttling(name: str, work: Path, every: int = 4) -> Outcome:
             opts = ["--set", f"input.storage_options={{endpoint_url: '{proxy.url}'}}",
                     "--set", f"output.storage_options={{endpoint_url: '{proxy.url}'}}"]
             env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
-            code = finish(start(job_args("s3://chaos/in/", "s3://chaos/out/", *opts), work / "job.log", env=env))
+            code = finish(start(job_args("s3://chaos/in/", "s3://chaos/out/", *opts, tokens=FEW_TOKENS), work / "job.log",
+                                env=env))
             throttled = sum(proxy.failed.values())
             evidence = {"first_exit": code, "throttled": throttled, "throttled_by_method": dict(proxy.failed)}
             outcome = f"first run exit {code}, {throttled} requests throttled -> {'completed' if code == 0 else 'failed'}"
@@ -185,7 +193,7 @@ def node_loss(name: str, work: Path, replacement: bool, while_listing: bool = Fa
     from ray.cluster_utils import Cluster
 
     from jobs.spec import load_spec
-    from pipeline.runner import run_job
+    from pipeline.run import run_job
 
     expected = make_input(work)
     records = str(work / "records.jsonl")
@@ -202,7 +210,7 @@ def node_loss(name: str, work: Path, replacement: bool, while_listing: bool = Fa
         blocker = ray.remote(_Blocker).options(num_cpus=2, scheduling_strategy=ray.util.scheduling_strategies
                                    .NodeAffinitySchedulingStrategy(head_id, soft=False)).remote()
         ray.get(blocker.ready.remote())
-        spec = load_spec(None, [f"workers.rows_per_batch={ROWS_PER_SHARD}", "sampling.max_tokens=24",
+        spec = load_spec(None, [f"workers.rows_per_batch={ROWS_PER_SHARD}", f"sampling.max_tokens={MAX_TOKENS}",
                                 "sampling.ignore_eos=true", "workers.num=2", "workers.cpus=1"],
                          input=str(work / "in"), output=str(work / "out"))
         data = spec.model_dump(mode="json") | {"fingerprint": spec.fingerprint()}
@@ -280,17 +288,18 @@ def scenarios(work: Path) -> dict[str, Callable[[], Outcome]]:
     once = str(work / "once")
     table = [
         ("driver SIGKILL while listing", "a", two_attempts,
-         dict(faults="listed:kill", fired=lambda ev: killed_at(ev, parts=False, manifest=False))),
+         dict(faults="listed:kill", fired=lambda ev: killed_at(ev, parts=False, manifest=False), tokens=FEW_TOKENS)),
         ("driver SIGKILL mid-generation", "b", two_attempts,
          dict(kill_after_parts=5, fired=lambda ev: killed_at(ev, parts=True, manifest=False))),
         ("driver SIGKILL before the manifest", "c", two_attempts,
-         dict(faults="generated:kill", fired=lambda ev: killed_at(ev, parts=True, manifest=False))),
+         dict(faults="generated:kill", fired=lambda ev: killed_at(ev, parts=True, manifest=False), tokens=FEW_TOKENS)),
         ("driver SIGKILL before _SUCCESS", "d", two_attempts,
-         dict(faults="manifest:kill", fired=lambda ev: killed_at(ev, parts=True, manifest=True))),
+         dict(faults="manifest:kill", fired=lambda ev: killed_at(ev, parts=True, manifest=True), tokens=FEW_TOKENS)),
         ("actor os._exit mid-shard, once", "e", two_attempts,
-         dict(faults=f"shard:exit:{once}-e", fired=lambda ev: ev["once_file"] and ev["first_exit"] == 0)),
+         dict(faults=f"shard:exit:{once}-e", fired=lambda ev: ev["once_file"] and ev["first_exit"] == 0,
+              tokens=FEW_TOKENS)),
         ("actor constructor fails", "f", two_attempts,
-         dict(faults="init:raise", fired=lambda ev: ev["first_exit"] == 1 and ev["fault_logged"])),
+         dict(faults="init:raise", fired=lambda ev: ev["first_exit"] == 1 and ev["fault_logged"], tokens=FEW_TOKENS)),
         ("object storage throttling", "g", s3_throttling, {}),
         ("node removed mid-job, replaced", "h", node_loss, dict(replacement=True)),
         ("node removed mid-job, not replaced", "i", node_loss, dict(replacement=False)),

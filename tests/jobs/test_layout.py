@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from helpers import committed_ids, read_output, write_jsonl
 from jobs.cli import main
 from jobs.spec import load_spec
-from pipeline import index
+from pipeline.io import index
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -79,7 +79,7 @@ def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path)
 def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes(tmp_path, monkeypatch):
     """A file of many segments: several planning tasks, one line sequencer, the ids and row
     order of a whole-file plan, and a resume that finds the same shards."""
-    from pipeline import planner
+    from pipeline.run import planner
 
     monkeypatch.setattr(planner, "SEGMENT_BYTES", 300)
     rows = [{"prompt": f"{i} " + "y" * (i * 53 % 400)} for i in range(60)]  # some lines span segments
@@ -117,13 +117,13 @@ def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes
 def test_an_output_planned_by_whole_files_resumes_so(tmp_path, monkeypatch):
     """An output started before segments ("shard_plan": "bytes") keeps whole-file shards on a
     resume, whatever the segment size now; a shard plan from a newer version is refused."""
-    from pipeline import planner, runner
+    from pipeline.run import driver, planner
 
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{i} " + "z" * 300} for i in range(20)])
     out = tmp_path / "out"
     args = ["--input", tmp_path / "in.jsonl", "--output", out, "--set", "model=builtin:echo",
             "--set", "workers.shard_bytes=2000", "--set", "sampling.max_tokens=1"]
-    monkeypatch.setattr(runner, "new_plan_record", lambda: {"shard_plan": "bytes"})
+    monkeypatch.setattr(driver, "new_plan_record", lambda: {"shard_plan": "bytes"})
     assert run(*args)[0] == 0
     parts = sorted((out / "data").iterdir())
     for name in ("manifest.json", "_SUCCESS"):

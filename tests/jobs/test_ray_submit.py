@@ -129,6 +129,7 @@ def test_submit_with_the_cli_succeeds_with_complete_output(cluster, tmp_path):
     assert manifest["rows"] == 20 and (out / "_SUCCESS").exists()
     logs = client.get_job_logs("batchinfer-ok")
     assert "rows" in logs and "20" in logs
+    assert "core_worker" not in logs and " WARNING " not in logs, logs  # Ray's own lines go to a log file
 
 
 def test_a_failing_job_ends_failed_with_the_cause_in_its_logs(cluster, tmp_path):
@@ -140,6 +141,21 @@ def test_a_failing_job_ends_failed_with_the_cause_in_its_logs(cluster, tmp_path)
         runtime_env={"working_dir": str(REPO)}, submission_id="batchinfer-bad-input")
     assert wait(client, job_id) == JobStatus.FAILED
     assert "error: input not found" in client.get_job_logs(job_id)
+
+
+def test_a_failed_shard_ends_the_job_with_its_cause_in_its_logs(cluster, tmp_path):
+    """The shard fails in an engine actor; its cause still reaches the job's logs in one line."""
+    _, client, _ = cluster
+    from ray.job_submission import JobStatus
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{not json\n')
+    job_id = client.submit_job(
+        entrypoint=f"python -m jobs.run --input {tmp_path / 'bad.jsonl'} --output {tmp_path / 'out'} "
+                   "--set model=builtin:echo --set input.on_bad_line=fail",
+        runtime_env={"working_dir": str(REPO)}, submission_id="batchinfer-bad-shard")
+    assert wait(client, job_id) == JobStatus.FAILED
+    logs = client.get_job_logs(job_id)
+    assert "error: bad.jsonl line 2: malformed JSON" in logs, logs
 
 
 def test_run_with_address_uses_the_existing_cluster(cluster, tmp_path):

@@ -9,10 +9,9 @@ from click.testing import CliRunner
 
 from helpers import write_jsonl
 from jobs.cli import main
-from pipeline.prompts import PromptBuilder, TemplateError
-from pipeline.sink import OutputDir
-from pipeline.source import Shard
-from pipeline.storage import Storage
+from pipeline.errors import TemplateError
+from pipeline.io import OutputDir, Shard, Storage
+from pipeline.tasks import PromptBuilder
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRET"
 

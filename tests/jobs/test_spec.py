@@ -95,3 +95,38 @@ def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
     assert validate(spec).fingerprint() == "aaf815c29dd0473d"
     assert validate({**spec, "workers": {}}).fingerprint() != "aaf815c29dd0473d"
     assert validate({**spec, "engine": {"max_prefill_tokens": 512}}).fingerprint() != "aaf815c29dd0473d"
+
+
+BLOCKED = """
+import sys
+from pathlib import Path
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} is blocked in this test")
+
+sys.meta_path.insert(0, Block())
+from jobs.spec import load_spec
+from pipeline.spec import validate
+
+configs = sorted(Path("configs").glob("*.yaml"))
+for path in configs:
+    spec = load_spec(path)
+    spec.engine_config()
+    spec.fingerprint()
+validate({"task": "label", "label": {"choices": ["yes", "no"]}, "input": {"path": "-"}, "output": {"path": "-"}})
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print(len(configs), "ok")
+"""
+
+
+def test_every_config_validates_with_torch_and_transformers_blocked():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", BLOCKED], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == [str(len(list((root / "configs").glob("*.yaml")))), "ok"], \
+        out.stderr[-3000:]

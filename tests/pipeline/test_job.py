@@ -1,8 +1,7 @@
 """The job object the pipeline passes around: typed, picklable, and built from the older spec dict."""
 import pickle
 
-from pipeline.job import Job
-from pipeline.spec import validate
+from pipeline.spec import Job, validate
 
 SPEC = {"input": {"path": "in.jsonl", "few_shot": [{"user": "q", "assistant": "a"}]}, "output": {"path": "out/"},
         "sampling": {"max_tokens": 5}, "workers": {"num": 2}}

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from pipeline.lock import LockHeld, RunLock
-from pipeline.storage import Storage
+from pipeline.io import LockHeld, RunLock, Storage
 
 
 def plant(storage, **record):

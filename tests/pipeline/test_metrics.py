@@ -5,8 +5,9 @@ import re
 import pyarrow as pa
 import pytest
 
-from pipeline.metrics import (METRICS, MetricsAccumulator, Normalizer, check_metrics, compute_metrics,
-                              extract_answer, normalize, score_columns, score_row, wilson_interval)
+from pipeline.run.metrics import MetricsAccumulator, compute_metrics, wilson_interval
+from pipeline.spec import METRICS, check_metrics
+from pipeline.tasks import Normalizer, extract_answer, normalize, score_columns, score_row
 
 Z = 1.959963984540054
 

@@ -7,9 +7,9 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import TypeAdapter
 
-from pipeline.openai_batch import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, BatchRequest,
-                                   TokenLogprob, error_line, parse_request, response_line,
-                                   unknown_fields_error)
+from pipeline.tasks.openai_requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, BatchRequest, parse_request,
+                                            unknown_fields_error)
+from pipeline.tasks.openai_responses import TokenLogprob, error_line, response_line
 
 
 def chat(body=None, **line):

@@ -9,7 +9,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from pipeline import build_processor
-from pipeline.spec import SpecError
+from pipeline.errors import SpecError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +21,8 @@ CONFIG = {"model": "builtin:tiny", "sampling": {"max_tokens": 6, "temperature": 
 def test_from_items_rows_come_back_generated_with_a_jobs_columns(tmp_path):
     import ray
 
-    from pipeline.runner import Job, run_job
+    from pipeline.run import run_job
+    from pipeline.spec import Job
     from jobs.spec import load_spec
 
     items = [{"question": f"what is {i}?", "n": i} for i in range(9)] + [{"question": None, "n": 9}]

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import io
 
-from pipeline.progress import Progress, ProgressBar, as_progress
+from pipeline.io import RunRecord
+from pipeline.run import Progress, ProgressBar, as_progress
 
 
 def counts(rows, tokens, errors=0):
-    return {"rows": rows, "errors": errors, "generated_tokens": tokens}
+    return RunRecord(run_id="run", started=0.0, last_seen=0.0, rows=rows, errors=errors, generated_tokens=tokens)
 
 
 def test_plain_lines_one_per_shard():
@@ -45,7 +46,7 @@ def test_a_plain_callable_still_works():
 
 
 def test_a_streamed_plan_reports_share_of_input_and_eta_from_bytes(monkeypatch):
-    import pipeline.progress as mod
+    import pipeline.run.progress as mod
 
     now = [1000.0]
     monkeypatch.setattr(mod.time, "time", lambda: now[0])

@@ -1,6 +1,7 @@
 import pytest
 
-from pipeline.prompts import PromptBuilder, TemplateError
+from pipeline.errors import TemplateError
+from pipeline.tasks import PromptBuilder
 
 
 def test_column_prompts_and_bad_values():

@@ -11,14 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import source
-from pipeline.sink import OutputDir
-from pipeline.source import Shard, read_shard
-from pipeline.storage import Storage, redact, with_retries
+from pipeline.io import OutputDir, Shard, Storage, read_shard, redact, source, with_retries
 
 WRITER = """
 import os, sys, time
-from pipeline.storage import Storage
+from pipeline.io import Storage
 storage = Storage(sys.argv[1], {"endpoint_url": sys.argv[3]} if len(sys.argv) > 3 else {})
 data = b"x" * int(sys.argv[2])
 real_replace = os.replace

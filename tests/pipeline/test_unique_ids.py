@@ -1,12 +1,11 @@
 """The unique-id check: a Ray Data group-by over the planned input, no process holding every id."""
 import pytest
 
-from pipeline.dataflow import JobError
-from pipeline.planner import ShardPlan
-from pipeline.source import list_inputs
+from pipeline.errors import JobError
+from pipeline.io import Storage, list_inputs
+from pipeline.run.planner import ShardPlan
+from pipeline.run.unique_ids import check_unique_ids
 from pipeline.spec import validate
-from pipeline.storage import Storage
-from pipeline.unique_ids import check_unique_ids
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -8,19 +8,18 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.spec import load_spec
-from pipeline import worker as worker_module
-from pipeline.job import Job
-from pipeline.report import PartTotals
-from pipeline.source import list_inputs, plan_shards
-from pipeline.storage import Storage
-from pipeline.worker import FatalShardError, ShardWorker
+from pipeline.errors import FatalShardError
+from pipeline.io import CommitRecord, Storage, list_inputs, plan_shards
+from pipeline.run import PartTotals, ShardWorker
+from pipeline.spec import Job
+from pipeline.tasks import engines as engine_module
 
 ALLOC_ERROR = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
 
 
 def engine_failing_above(budget: int):
     """An engine factory whose engines fail like torch's host allocator above `budget` tokens."""
-    real = worker_module.build_engine
+    real = engine_module.build_engine
 
     def build(config):
         engine = real(config)
@@ -47,7 +46,7 @@ def make_worker(tmp_path):
 
 
 def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_module, "build_engine", engine_failing_above(2048))
+    monkeypatch.setattr(engine_module, "build_engine", engine_failing_above(2048))
     batch = shard_batch(tmp_path)
     worker = make_worker(tmp_path)
     result = worker(batch)
@@ -58,12 +57,12 @@ def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_
     assert table["id"].to_pylist() == [f"in.jsonl:{i}" for i in range(6)]
     assert set(table["generated_text"].to_pylist()) == {"xx"}
     totals = PartTotals()
-    totals.add(record)
+    totals.add(CommitRecord.from_dict(record))
     assert totals.result()["oom"] == {"retries": 2, "shards": 1, "budgets": [2048, 4096]}
 
 
 def test_an_allocation_failure_at_every_budget_fails_the_job_in_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_module, "build_engine", engine_failing_above(0))
+    monkeypatch.setattr(engine_module, "build_engine", engine_failing_above(0))
     batch = shard_batch(tmp_path)
     with pytest.raises(FatalShardError, match=r"out of memory at engine.max_batch_tokens=512 after 4 halvings"):
         make_worker(tmp_path)(batch)
@@ -91,7 +90,7 @@ def test_the_engine_is_built_and_run_on_one_thread_whatever_thread_calls_the_act
         engine.generate = run
         return engine
 
-    monkeypatch.setattr(worker_module, "build_engine", recording)
+    monkeypatch.setattr(engine_module, "build_engine", recording)
     batch = shard_batch(tmp_path)
     worker = make_worker(tmp_path)
     with ThreadPoolExecutor(1) as other:  # as Ray Data calls an actor: not on the thread that built it

@@ -5,14 +5,11 @@ Used by `run_job` before it claims the output, and by `batchinfer validate`.
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.echo import ECHO_MODEL, EchoEngine
 from engine.errors import ModelLoadError, one_line
-from engine.loader import check_model_files, load_tokenizer
-from pipeline.dataflow import JobError
-from pipeline.prompts import PromptBuilder, TemplateError
-from pipeline.source import InputError, list_inputs, read_schema_columns
+from pipeline.errors import InputError, JobError, TemplateError
+from pipeline.io import Storage, list_inputs, read_schema_columns
 from pipeline.spec import JobSpec
-from pipeline.storage import Storage
+from pipeline.tasks import PromptBuilder
 
 
 def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
@@ -57,6 +54,9 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
 def check_model(config: EngineConfig):
     """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
     loads its tokenizer (no weights). Returns the tokenizer."""
+    from engine.echo import ECHO_MODEL, EchoEngine  # the engine's modules import torch: only when checked
+    from engine.loader import check_model_files, load_tokenizer
+
     if config.model == ECHO_MODEL:
         return EchoEngine(config).tokenizer.hf
     try:

@@ -6,14 +6,11 @@ import platform
 import time
 
 from engine import __version__
-from pipeline.index import LAYOUT, IndexWriter, entries
-from pipeline.job import Job
-from pipeline.metrics import write_metrics
-from pipeline.openai_batch import write_batch_files
-from pipeline.report import PartTotals, read_runs, usage
-from pipeline.sink import SUMMARY_FIELDS, OutputDir
-from pipeline.spec import JobSpec
-from pipeline.storage import redact
+from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact
+from pipeline.run.metrics import write_metrics
+from pipeline.run.openai_files import write_batch_files
+from pipeline.run.report import PartTotals, usage
+from pipeline.spec import Job, JobSpec
 
 
 def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
@@ -30,7 +27,7 @@ def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
 
 
 def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTotals, record: dict,
-                   run: dict) -> dict:
+                   run: RunRecord) -> dict:
     """Counts, usage and pointers; the parts are listed in the index it points to. `record` is
     the output's _job.json, `run` this run's record."""
     data = totals.result()
@@ -45,15 +42,15 @@ def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTot
         "versions": versions(),
         **data,
         "prefix_cache_hit_rate": data["cached_prompt_tokens"] / data["prompt_tokens"] if data["prompt_tokens"] else 0.0,
-        "usage": usage(read_runs(out), data["generated_tokens"], job.spec.report.price_per_hour),
+        "usage": usage(out.read_runs(), data["generated_tokens"], job.spec.report.price_per_hour),
         "index": index.pointer(),
-        "planning": run.get("planning"),
+        "planning": run.planning,
         "created": record.get("created"),
         "finished": time.time(),
-        "this_run": {k: run[k] for k in (*SUMMARY_FIELDS, "run_id", "generate_seconds")}
-        | {"wall_seconds": run["finished"] - run["started"],
-           "generated_tokens_per_second": run["generated_tokens"] / run["generate_seconds"]
-           if run["generate_seconds"] else 0.0},
+        "this_run": run.counts() | {"run_id": run.run_id, "generate_seconds": run.generate_seconds,
+                                    "wall_seconds": run.finished - run.started,
+                                    "generated_tokens_per_second": run.generated_tokens / run.generate_seconds
+                                    if run.generate_seconds else 0.0},
     }
 
 

@@ -17,11 +17,8 @@ import threading
 import time
 import uuid
 
-from pipeline.storage import Storage
-
-
-class LockHeld(RuntimeError):
-    """Another live run holds the lock; the message names it."""
+from pipeline.errors import LockHeld
+from pipeline.io.storage import Storage
 
 
 class RunLock:

@@ -1,4 +1,4 @@
-"""Preflight of the actors' resource request against the Ray cluster: never hang on it.
+"""What an engine actor asks Ray for, and a preflight of that request against the cluster: never hang on it.
 
 One engine actor asks for workers.cpus CPUs and workers.gpus GPUs on one node. On a fixed
 cluster (a local Ray, or a cluster without an autoscaler) a request no node can hold fails at
@@ -11,14 +11,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from pipeline.errors import ResourceError
+
 if TYPE_CHECKING:
     from pipeline.spec import WorkersSpec
 
 POLL_S = 5.0
-
-
-class ResourceError(RuntimeError):
-    """The actors cannot be placed; the message names the resource, in one line."""
 
 
 def actor_request(workers: WorkersSpec) -> dict[str, float]:
@@ -27,6 +25,20 @@ def actor_request(workers: WorkersSpec) -> dict[str, float]:
     if workers.gpus:
         need["GPU"] = float(workers.gpus)
     return need
+
+
+def engine_stage_args(workers: WorkersSpec, actors: int | None = None, env: dict | None = None) -> dict:
+    """`map_batches` arguments of an engine stage (a job's shards, or a processor's rows): a fixed
+    pool of `actors` actors (default workers.num), each asking for actor_request(workers). `env`:
+    variables for the actors' runtime environment."""
+    import ray
+
+    need = actor_request(workers)
+    args = {"compute": ray.data.ActorPoolStrategy(size=actors or workers.num), "num_cpus": need["CPU"],
+            "num_gpus": need.get("GPU")}
+    if env:
+        args["runtime_env"] = {"env_vars": env}
+    return args
 
 
 def shortfall(need: dict[str, float], nodes: list[dict[str, float]]) -> tuple[str, float] | None:

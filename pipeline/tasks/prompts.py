@@ -12,14 +12,11 @@ from __future__ import annotations
 import string
 from typing import TYPE_CHECKING
 
-from pipeline.openai_batch import parse_messages
+from pipeline.errors import TemplateError
+from pipeline.tasks.openai_requests import parse_messages
 
 if TYPE_CHECKING:
     from pipeline.spec import InputSpec
-
-
-class TemplateError(ValueError):
-    """The template itself is invalid (fatal, reported before any actor starts)."""
 
 
 class PromptBuilder:

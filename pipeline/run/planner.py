@@ -1,10 +1,10 @@
 """Planning as Ray Data tasks: blocks of input files -> shards, streamed to the engine actors.
 
 The driver only lists the input files. Each planning task takes a block of them, reads Parquet
-footers and JSONL line ends (pipeline.source.plan_file), and emits that block's shards; the
+footers and JSONL line ends (pipeline.io.source.plan_file), and emits that block's shards; the
 actor pool starts on the first block's shards while later blocks are still being planned, so
 no process ever holds the whole plan. A JSONL file larger than SEGMENT_BYTES is planned in byte
-segments by parallel tasks (pipeline.source.plan_segment); each numbers its lines once a small
+segments by parallel tasks (pipeline.io.source.plan_segment); each numbers its lines once a small
 actor (LineSequencer) has the line counts of the segments before it.
 
 On a resume a task also marks the shards whose part is already committed (one existence check
@@ -14,17 +14,14 @@ records what it planned under _plan/, so a partial report can say how many shard
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import pyarrow as pa
 
-from pipeline.sink import PLAN_DIR, OutputDir
-from pipeline.source import InputError, Shard, plan_file, plan_segment
-from pipeline.storage import Storage, with_retries
+from pipeline.errors import InputError
+from pipeline.io import OutputDir, Shard, Storage, plan_file, plan_segment
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -196,26 +193,18 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, se
     return pa.table({**columns, "committed": committed}, schema=SHARD_SCHEMA)
 
 
-def shard_identity(out: OutputDir, shard: Shard) -> dict:
-    """The fields of a commit record / index entry that say which shard and part it is."""
-    return {"shard": shard.key, "path": out.storage.uri(out.part_path(shard.key)), "file": shard.name,
-            "start": shard.start, "stop": shard.stop, "bytes": shard.byte_stop - shard.byte_start}
-
-
 def _committed(out: OutputDir, shard: Shard) -> str:
-    if not with_retries(lambda: out.storage.exists(out.part_path(shard.key)), f"checking shard {shard.key}"):
-        return ""
-    record = with_retries(lambda: out.summary(shard.key), f"reading the commit record of {shard.key}")
-    return json.dumps({**record, **shard_identity(out, shard)})
+    """The shard's commit record (JSON) if its part is committed, else ""."""
+    record = out.committed(shard)
+    return record.to_json() if record is not None else ""
 
 
 def _record(out: OutputDir, units: list[Unit], shards: list[Shard], seconds: float) -> None:
-    key = hashlib.sha1("\0".join(f"{u.name}#{u.segment}" if u.segments > 1 else u.name
-                                  for u in units).encode()).hexdigest()[:20]
+    """What one planning task planned, under _plan/ (for partial reports)."""
+    names = [f"{u.name}#{u.segment}" if u.segments > 1 else u.name for u in units]
     data = {"files": sum(u.segment == 0 for u in units), "segments": sum(u.segments > 1 for u in units),
             "shards": len(shards), "rows": sum(s.stop - s.start for s in shards), "seconds": seconds}
-    path = out.storage.path(PLAN_DIR, f"{key}.json")
-    with_retries(lambda: out.storage.write_atomic(path, json.dumps(data).encode()), "writing a plan record")
+    out.write_plan_record(names, data)
 
 
 class LineSequencer:

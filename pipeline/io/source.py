@@ -1,7 +1,7 @@
 """Input side: list files, plan shards (file + row range), read one shard with row ids.
 
 Planning streams: it needs only file listings, Parquet footers and, for JSONL, one pass that
-counts newlines in fixed-size blocks (run in Ray tasks, see pipeline.planner). A shard is the
+counts newlines in fixed-size blocks (run in Ray tasks, see pipeline.run.planner). A shard is the
 unit of work, commit and resume; its size is set by bytes of input (work), capped by rows.
 """
 from __future__ import annotations
@@ -16,15 +16,12 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.storage import Storage, with_retries
+from pipeline.errors import InputError
+from pipeline.io.storage import Storage, with_retries
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 BLOCK = 8 << 20
-
-
-class InputError(RuntimeError):
-    """The input cannot be used at all (fatal); the message says why in one line."""
 
 
 @dataclass(frozen=True)
@@ -260,7 +257,7 @@ def plan_segment(storage: Storage, path: str, name: str, start: int, stop: int, 
     """The shards of one byte segment [start, stop) of a JSONL file, and its line count. The
     segment holds the lines that start in it, so consecutive segments hold each line once and
     each can be planned without the others. Line numbers count from the segment's first line:
-    the caller adds the lines of the segments before it (pipeline.planner sequences them)."""
+    the caller adds the lines of the segments before it (pipeline.run.planner sequences them)."""
     return _planned(storage, path, lambda: _jsonl_range(storage, path, name, rows_per_shard, shard_bytes, start, stop),
                     f"planning {name} bytes {start}-{stop}", attempts)
 
@@ -335,7 +332,10 @@ def _parquet_slice(pf: pq.ParquetFile, start: int, stop: int) -> pa.Table:
         row += n
     if not groups:  # the file has fewer rows than planned: nothing of this range is left
         return pf.schema_arrow.empty_table()
-    table = pf.read_row_groups(groups)
+    # One thread: `pf` reads a Python file object, and an Arrow pool thread that dropped the last
+    # reference to it after the interpreter began to exit would abort the process (see
+    # pipeline.io.output.arrow_owned).
+    table = pf.read_row_groups(groups, use_threads=False)
     return table.slice(start - first_row, stop - start)
 
 

@@ -4,50 +4,9 @@ Used for manifest.json when a job completes, and by `batchinfer report` on a fin
 partial output (from its progress and run records alone)."""
 from __future__ import annotations
 
-import json
-import posixpath
-import time
-from typing import TYPE_CHECKING
+from typing import Iterable
 
-from pipeline.sink import PLAN_DIR, SUMMARY_FIELDS, OutputDir
-
-if TYPE_CHECKING:
-    from pipeline.spec import WorkersSpec
-
-
-def new_run(workers: WorkersSpec, run_id: str) -> dict:
-    """The record of one run of a job with these workers (written under _runs/ while it goes, for accounting)."""
-    import os
-
-    per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
-    return {"run_id": run_id, "started": time.time(), "last_seen": time.time(), "finished": None,
-            "status": "running", "generate_started": None, "generate_seconds": 0.0,
-            "workers": workers.num, "resource": "gpu" if workers.gpus else "cpu_core",
-            "resource_per_actor": per_actor, **{k: 0 for k in SUMMARY_FIELDS}}
-
-
-def touch_run(run: dict) -> None:
-    """Brings the run's clock fields up to now (while it is still running)."""
-    if run["finished"] is not None:
-        return
-    now = time.time()
-    run["last_seen"] = now
-    if run["generate_started"] is not None:
-        run["generate_seconds"] = now - run["generate_started"]
-
-
-def write_run(out: OutputDir, run: dict) -> None:
-    touch_run(run)
-    out.storage.write_atomic(out.storage.path("_runs", f"{run['run_id']}.json"), json.dumps(run).encode())
-
-
-def read_runs(out: OutputDir) -> list[dict]:
-    runs = []
-    for path in out.storage.list(out.storage.path("_runs")):
-        if posixpath.basename(path).endswith(".json"):
-            runs.append(json.loads(out.storage.read_text(path)))
-    return sorted(runs, key=lambda r: r["started"])
-
+from pipeline.io import SUMMARY_FIELDS, CommitRecord, OutputDir, RunRecord, Storage, entries
 
 TIMINGS = ("seconds", "read_seconds", "engine_seconds", "commit_seconds", "idle_seconds")
 """Per-shard times in a commit record: total, reading, the engine, committing, and the actor's
@@ -66,24 +25,24 @@ class PartTotals:
         self.times = dict.fromkeys(TIMINGS, 0.0)
         self.oom = {"retries": 0, "shards": 0, "budgets": []}
 
-    def add(self, s: dict) -> None:
+    def add(self, s: CommitRecord) -> None:
         self.shards += 1
         for k in SUMMARY_FIELDS:
-            self.totals[k] += s.get(k, 0)
+            self.totals[k] += getattr(s, k)
         if len(self.samples) < 5:
-            self.samples += list(s.get("error_samples") or [])[: 5 - len(self.samples)]
+            self.samples += list(s.error_samples)[: 5 - len(self.samples)]
         for k in TIMINGS:
-            self.times[k] += s.get(k) or 0.0
-        if s.get("oom_retries"):
-            self.oom["retries"] += s["oom_retries"]
+            self.times[k] += getattr(s, k)
+        if s.oom_retries:
+            self.oom["retries"] += s.oom_retries
             self.oom["shards"] += 1
-            self.oom["budgets"] = sorted(set(self.oom["budgets"]) | set(s.get("oom_budgets") or []))
-        w = self.workers.setdefault(s.get("worker") or "unknown",
+            self.oom["budgets"] = sorted(set(self.oom["budgets"]) | set(s.oom_budgets))
+        w = self.workers.setdefault(s.worker or "unknown",
                                     {"shards": 0, "rows": 0, "generated_tokens": 0, "seconds": 0.0})
         w["shards"] += 1
-        w["rows"] += s["rows"]
-        w["generated_tokens"] += s["generated_tokens"]
-        w["seconds"] += s.get("seconds", 0.0)
+        w["rows"] += s.rows
+        w["generated_tokens"] += s.generated_tokens
+        w["seconds"] += s.seconds
 
     def shard_costs(self) -> dict:
         """Mean per-shard times; fixed_seconds = everything but the engine (read, prepare, commit)."""
@@ -99,24 +58,24 @@ class PartTotals:
                 "shards": self.shard_costs(), "oom": self.oom}
 
 
-def build_report(out: OutputDir, records, price_per_hour: float | None) -> dict:
+def build_report(out: OutputDir, records: Iterable[CommitRecord], price_per_hour: float | None) -> dict:
     """Counts, per-worker figures, shard costs and cost over the commit records `records`."""
     totals = PartTotals()
     for record in records:
         totals.add(record)
     data = totals.result()
-    return {**data, "usage": usage(read_runs(out), data["generated_tokens"], price_per_hour)}
+    return {**data, "usage": usage(out.read_runs(), data["generated_tokens"], price_per_hour)}
 
 
-def usage(runs: list[dict], generated_tokens: int, price_per_hour: float | None) -> dict:
+def usage(runs: list[RunRecord], generated_tokens: int, price_per_hour: float | None) -> dict:
     """Resource-hours over every run (crashed ones counted up to their last heartbeat) and cost."""
     hours: dict[str, float] = {}
     for r in runs:
-        h = r["generate_seconds"] * r["workers"] * r["resource_per_actor"] / 3600
-        hours[r["resource"]] = hours.get(r["resource"], 0.0) + h
-    gen_seconds = sum(r["generate_seconds"] for r in runs)
+        h = r.generate_seconds * r.workers * r.resource_per_actor / 3600
+        hours[r.resource] = hours.get(r.resource, 0.0) + h
+    gen_seconds = sum(r.generate_seconds for r in runs)
     result = {"runs": len(runs), "generate_seconds": gen_seconds,
-              "wall_seconds": sum((r["finished"] or r["last_seen"]) - r["started"] for r in runs),
+              "wall_seconds": sum((r.finished or r.last_seen) - r.started for r in runs),
               "tokens_per_second": generated_tokens / gen_seconds if gen_seconds else 0.0,
               **{f"{k}_hours": v for k, v in hours.items()}}
     if price_per_hour is not None:
@@ -130,9 +89,6 @@ def usage(runs: list[dict], generated_tokens: int, price_per_hour: float | None)
 def output_report(url: str, storage_options: dict | None = None) -> dict:
     """What an output directory says about its job, complete or not. A complete one is read
     through its part index; a partial one from the commit records of its committed shards."""
-    from pipeline.index import entries
-    from pipeline.storage import Storage
-
     storage = Storage(url, storage_options or {})
     job = OutputDir(storage, "parquet").read_json("_job.json")
     if job is None:
@@ -141,7 +97,7 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
     manifest = out.read_json("manifest.json")
     price = job["spec"].get("report", {}).get("price_per_hour")
     if out.is_complete() and manifest and "index" in manifest:
-        data = build_report(out, entries(out, manifest), price)
+        data = build_report(out, map(CommitRecord.from_dict, entries(out, manifest)), price)
         return {"output": url, "status": "complete", "shards_committed": data["shards"]["count"],
                 "shards_planned": data["shards"]["count"], **data}
     keys = sorted(out.done_keys())
@@ -155,19 +111,5 @@ def planned_shards(out: OutputDir, job: dict) -> int | None:
     """Shards of the whole input, once every planning task has recorded its count (else None)."""
     if job.get("plan_blocks") is None:
         return job.get("shards_planned")  # layout 1 planned in the driver
-    plan = plan_summary(out, job)
+    plan = out.plan_summary(job.get("plan_blocks"))
     return plan["shards"] if plan else None
-
-
-def plan_summary(out: OutputDir, job: dict) -> dict | None:
-    """Sums of the planning records (tasks, files, shards, rows, seconds of task time), or None
-    while some planning task of the current run has not recorded yet."""
-    records = [p for p in out.storage.list(out.storage.path(PLAN_DIR)) if p.endswith(".json")]
-    if len(records) != job.get("plan_blocks"):
-        return None
-    total = {"tasks": len(records), "files": 0, "shards": 0, "rows": 0, "seconds": 0.0}
-    for path in records:
-        data = json.loads(out.storage.read_text(path))
-        for k in ("files", "shards", "rows", "seconds"):
-            total[k] += data.get(k, 0)
-    return total

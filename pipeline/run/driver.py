@@ -16,29 +16,21 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from engine.errors import one_line
-from pipeline import chaos
-from pipeline.dataflow import JobError, ensure_ray, execute
-from pipeline.index import IndexWriter
-from pipeline.job import Job
-from pipeline.lock import LockHeld, RunLock
-from pipeline.manifest import build_manifest, final_files
-from pipeline.planner import ShardPlan, new_plan_record, plan_blocks, shard_plan
-from pipeline.preflight import check_model, preflight
-from pipeline.progress import as_progress
-from pipeline.report import PartTotals, new_run, plan_summary, touch_run, write_run
-from pipeline.resources import ResourceError, check_resources
-from pipeline.sink import PLAN_DIR, OutputDir
-from pipeline.source import InputError
-from pipeline.storage import Storage, redact
-from pipeline.unique_ids import check_unique_ids
+from pipeline.errors import InputError, JobError, LockHeld, OutputConflict, ResourceError
+from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact
+from pipeline.run import chaos
+from pipeline.run.dataflow import execute
+from pipeline.run.manifest import build_manifest, final_files
+from pipeline.run.planner import ShardPlan, new_plan_record, plan_blocks, shard_plan
+from pipeline.run.preflight import preflight
+from pipeline.run.progress import as_progress
+from pipeline.run.ray_env import ensure_ray
+from pipeline.run.report import PartTotals
+from pipeline.run.resources import check_resources
+from pipeline.run.unique_ids import check_unique_ids
+from pipeline.spec import Job
 
 log = logging.getLogger("batchinfer")
-
-__all__ = ["Job", "JobError", "JobResult", "OutputConflict", "run_job", "preflight", "check_model", "ensure_ray"]
-
-
-class OutputConflict(JobError):
-    """The output path holds another job's output."""
 
 
 @dataclass
@@ -62,18 +54,20 @@ class JobResult:
     manifest: dict = field(default_factory=dict)
 
 
-def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None) -> JobResult:
+def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None,
+            log_to_driver: bool = True) -> JobResult:
     """Runs (or resumes) a job: a `Job`, or a validated spec dict (JobSpec.model_dump() with its
-    "fingerprint"). `progress`: a pipeline.progress.Progress, or a `message -> None` callable (plain lines)."""
+    "fingerprint"). `progress`: a pipeline.run.progress.Progress, or a `message -> None` callable
+    (plain lines). `log_to_driver`: whether a Ray this starts prints its workers' output here."""
     if isinstance(job, dict):
         job = Job.from_dict(job)
     spec = job.spec
     progress = as_progress(progress)
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     files = preflight(spec)
-    run = new_run(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    run = RunRecord.start(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
     lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,
-                   on_heartbeat=lambda: write_run(out, run))
+                   on_heartbeat=lambda: out.write_run(run))
     try:
         lock.acquire()
     except LockHeld as exc:
@@ -83,16 +77,16 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     try:
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
-        return _run_locked(job, out, files, run, overwrite, address, progress)
+        return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress)
     finally:
         lock.release()
 
 
-def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, address, progress) -> JobResult:
+def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress) -> JobResult:
     record = _claim_output(out, job, overwrite)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
-    ensure_ray(address)
+    start_ray()
     try:
         check_resources(job.spec.workers, progress)
     except ResourceError as exc:
@@ -100,7 +94,7 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
     removed = out.storage.remove_temporaries(out.storage.path("data"))
     if removed:
         log.info("removed %d half-written parts left by an earlier crash", removed)
-    write_run(out, run)
+    out.write_run(run)
     chaos.point("listed")
     resume = out.storage.exists(out.storage.path("data"))
     try:
@@ -115,33 +109,33 @@ def _run_locked(job: Job, out: OutputDir, files, run: dict, overwrite: bool, add
         check_unique_ids(job.spec, files, plan)
         record["ids_unique"] = True
         out.write_json("_job.json", record)
-    index = IndexWriter(out, run["run_id"])
-    run["generate_started"] = time.time()
+    index = IndexWriter(out, run.run_id)
+    run.start_generating()
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
         created = int(record.get("created") or time.time())
         totals = execute(replace(job, created=created), files, resume, plan, run, index, progress)
     except BaseException:
-        touch_run(run)  # its generation time up to the failure counts in the job's usage
-        run["status"], run["finished"] = "failed", time.time()
-        write_run(out, run)
+        run.end("failed")  # its generation time up to the failure counts in the job's usage
+        out.write_run(run)
         raise
-    touch_run(run)
-    plan = plan_summary(out, record)
+    run.touch()
+    plan = out.plan_summary(record.get("plan_blocks"))
     if plan is None:
         raise JobError(f"the planning records under {out.storage.uri(out.storage.path(PLAN_DIR))} are incomplete "
                        "after the run (was the output changed while it ran?); rerun to resume")
     if plan["shards"] != totals.shards:
         raise JobError(f"{plan['shards'] - totals.shards} shards have no committed output after the run; "
                        "rerun to resume")
-    run["planning"] = plan
-    run["status"], run["finished"] = "done", time.time()
-    write_run(out, run)
+    run.planning = plan
+    run.end("done")
+    out.write_run(run)
     chaos.point("generated")
     return _complete(job, out, record, run, index, totals)
 
 
-def _complete(job: Job, out: OutputDir, record: dict, run: dict, index: IndexWriter, totals: PartTotals) -> JobResult:
+def _complete(job: Job, out: OutputDir, record: dict, run: RunRecord, index: IndexWriter,
+              totals: PartTotals) -> JobResult:
     finals = final_files(job.spec, out, index.pointer())
     manifest = build_manifest(job, out, index, totals, record, run) | finals
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > job.spec.max_error_rate:
@@ -194,9 +188,9 @@ def _conflict(job: Job, record: dict) -> str:
             f"{job.fingerprint}); use --overwrite to replace it")
 
 
-def _result(status, out: OutputDir, manifest: dict, run: dict) -> JobResult:
+def _result(status, out: OutputDir, manifest: dict, run: RunRecord) -> JobResult:
     return JobResult(status=status, output=out.storage.url, rows=manifest.get("rows", 0),
                      errors=manifest.get("errors", 0), prompt_tokens=manifest.get("prompt_tokens", 0),
-                     generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=run["rows"],
-                     seconds=time.time() - run["started"], generate_seconds=run["generate_seconds"],
+                     generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=run.rows,
+                     seconds=time.time() - run.started, generate_seconds=run.generate_seconds,
                      error_samples=manifest.get("error_samples", []), manifest=manifest)

@@ -3,23 +3,23 @@
 The engine and sampling sections are derived from `EngineConfig` and `SamplingParams`, so
 their defaults and descriptions live in exactly one place. It lives in pipeline/ so that
 `build_processor` validates its config with the same rules; jobs.spec reads YAML into it.
+Validating a spec imports neither torch nor transformers (engine.config and
+engine.sampling_params are plain dataclasses).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine import EngineConfig, SamplingParams
-from engine.config import CPU_POOL_TOKENS
-from engine.config import DEFAULT_MODEL
-
-
-class SpecError(ValueError):
-    """The spec is invalid; the message names the bad key(s)."""
+from engine.config import CPU_POOL_TOKENS, DEFAULT_MODEL, EngineConfig
+from engine.sampling_params import SamplingParams
+from pipeline.errors import SpecError
+from pipeline.spec.columns import check_metrics, output_columns
 
 
 class _Section(BaseModel):
@@ -222,11 +222,6 @@ EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tok
 
 def check_task(spec: JobSpec) -> None:
     """Cross-field rules of tasks and formats (one message naming the keys involved)."""
-    import re
-
-    from pipeline.metrics import check_metrics
-    from pipeline.tasks import output_columns
-
     label, ev, inp = spec.label, spec.eval, spec.input
     labels = bool(label.choices or label.choices_column or label.label_regex)
     if label.choices is not None and (not label.choices or any(not c for c in label.choices)):

@@ -1,10 +1,10 @@
-"""Score/parse stage: what each task makes of a shard's rows.
+"""What each task makes of a batch of rows: one RowResult per row.
 
 generate  prompt -> text.
 label     prompt -> one of `choices`, picked by the log-likelihood of each choice after the
           prompt (no sampling), or generated text parsed with `label_regex`.
 eval      generate (or label), then score each row against its reference (`score_<metric>`
-          columns); pipeline.metrics aggregates the committed scores into metrics.json.
+          columns); pipeline.run.metrics aggregates the committed scores into metrics.json.
 
 Prompts come from a column, a template, chat messages (rendered with the model's chat
 template) or OpenAI Batch request lines. Every problem with one row becomes that row's error.
@@ -16,45 +16,18 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
-from engine import LLMEngine, SamplingParams
-from pipeline import metrics as M
-from pipeline.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request, unknown_fields_error
-from pipeline.prompts import PromptBuilder
+from engine.sampling_params import SamplingParams
+from pipeline.tasks import scoring
+from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
+from pipeline.tasks.openai_responses import output_lines
+from pipeline.tasks.prompts import PromptBuilder
+from pipeline.tasks.records import RowResult
 
 if TYPE_CHECKING:
+    from engine import LLMEngine
     from pipeline.spec import JobSpec
 
-BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
-LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_token")
 NO_MATCH = "label_regex did not match the generated text"
-_SCORES = pa.list_(pa.float64())
-COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
-                "finish_reason": pa.string(), "error": pa.string(), "label": pa.string(), "label_probs": _SCORES,
-                "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
-"""Arrow types of the columns this stage writes (score_<metric> columns are float64), so that
-every part of a job has the same schema, whatever its rows held."""
-
-
-def column_type(name: str) -> pa.DataType | None:
-    if name.startswith(M.SCORE_PREFIX):
-        return pa.float64()
-    return COLUMN_TYPES.get(name)
-
-
-def output_columns(spec: JobSpec) -> list[str]:
-    """Columns this stage adds for `spec`'s task (an input column of the same name is replaced)."""
-    names = list(BASE_COLUMNS)
-    label = spec.label
-    if spec.task in ("label", "eval"):
-        if label.choices or label.choices_column:
-            names += LABEL_COLUMNS
-        elif label.label_regex:
-            names.append("label")
-    if spec.task == "eval":
-        names += [M.score_column(m) for m in spec.eval.metrics]
-    return names
 
 
 def row_seed(base: int, row_id: str) -> int:
@@ -63,7 +36,7 @@ def row_seed(base: int, row_id: str) -> int:
 
 
 class TaskRunner:
-    """Turns rows into output records (the BASE_COLUMNS plus the task's own columns)."""
+    """Turns rows into RowResults (the output row's engine fields and the task's own columns)."""
 
     def __init__(self, spec: JobSpec, engine: LLMEngine, prompts: PromptBuilder | None = None):
         """`prompts` builds each row's prompt; default: from the spec's input section."""
@@ -86,29 +59,32 @@ class TaskRunner:
 
     # -- rows -> records ------------------------------------------------------------------------
 
-    def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[dict]:
-        """One record per row, in order; `errors[i]` set = the row failed before this stage."""
-        records: list[dict | None] = [None] * len(rows)
+    def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[RowResult]:
+        """One result per row, in order; `errors[i]` set = the row failed before this stage."""
+        results: list[RowResult | None] = [None] * len(rows)
         todo, prompts, params, requests = self.prepare(rows, ids, errors)
         if self.scoring:
-            self._score(rows, todo, prompts, errors, records)
+            self._score(rows, todo, prompts, errors, results)
         else:
             completions = self.engine.generate(prompts, params) if prompts else []
             for i, c, req in zip(todo, completions, requests):
-                records[i] = {"generated_text": c.text, "num_prompt_tokens": c.num_prompt_tokens,
-                              "num_generated_tokens": c.num_generated_tokens, "finish_reason": c.finish_reason,
-                              "error": c.error, "_ran": True, "_request": req, "_logprobs": c.logprobs}
+                results[i] = RowResult(c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error,
+                                       ran=True, request=req, logprobs=c.logprobs)
                 if self.label_regex is not None:
-                    records[i].update(self._parse_label(c))
-        for i, rec in enumerate(records):
-            if rec is None:
-                records[i] = {"generated_text": "", "num_prompt_tokens": 0, "num_generated_tokens": 0,
-                              "finish_reason": "error", "error": errors[i]}
-                if self.labels:
-                    records[i].update(dict.fromkeys(LABEL_COLUMNS if self.scoring else ("label",)))
+                    self._parse_label(c, results[i])
+        for i, result in enumerate(results):
+            if result is None:
+                results[i] = RowResult(error=errors[i])
         if self.task == "eval":
-            self._add_scores(rows, records)
-        return records
+            self._add_scores(rows, results)
+        return results
+
+    def openai_lines(self, rows: list[dict], ids: list[str], results: list[RowResult], created: int) -> list[str]:
+        """The OpenAI Batch output line of each row (JSON text); `created`: the job's creation time."""
+        return output_lines(rows, ids, results, openai_input=self.openai_input,
+                            chat=self.prompts is not None and self.prompts.chat, model=self.spec.model,
+                            created=created, default_logprobs=self.spec.sampling.logprobs,
+                            tokenizer=self.engine.tokenizer)
 
     def prepare(self, rows, ids, errors):
         """Indices of the rows that run, and their prompts (text or token ids), sampling params
@@ -145,7 +121,7 @@ class TaskRunner:
 
     # -- label ----------------------------------------------------------------------------------
 
-    def _score(self, rows, todo, prompts, errors, records) -> None:
+    def _score(self, rows, todo, prompts, errors, results) -> None:
         run, run_prompts, run_choices = [], [], []
         for i, prompt in zip(todo, prompts):
             choices = self.choices if self.choices else rows[i].get(self.choices_column)
@@ -165,10 +141,9 @@ class TaskRunner:
             per_token = [lp / n for lp, n in zip(sc.logprobs, sc.num_tokens)]
             ranking = per_token if normalize else sc.logprobs
             best = max(range(len(choices)), key=ranking.__getitem__)
-            records[i] = {"generated_text": choices[best], "num_prompt_tokens": sc.num_prompt_tokens,
-                          "num_generated_tokens": 0, "finish_reason": "stop", "error": None,
-                          "label": choices[best], "label_probs": _softmax(sc.logprobs),
-                          "label_logprobs": sc.logprobs, "label_logprobs_per_token": per_token}
+            results[i] = RowResult(choices[best], sc.num_prompt_tokens, 0, "stop", None, label=choices[best],
+                                   label_probs=_softmax(sc.logprobs), label_logprobs=sc.logprobs,
+                                   label_logprobs_per_token=per_token)
 
     def _choice_prefix(self, prompt) -> str:
         prefix = self.spec.label.choice_prefix
@@ -178,34 +153,35 @@ class TaskRunner:
         # where the assistant's answer starts
         return " " if isinstance(prompt, str) and not prompt[-1:].isspace() else ""
 
-    def _parse_label(self, c) -> dict:
+    def _parse_label(self, c, result: RowResult) -> None:
         if c.finish_reason == "error":
-            return {"label": None}
+            return
         match = self.label_regex.search(c.text)
         if match is None:
-            return {"label": None, "error": NO_MATCH}
-        return {"label": match.group(1) if self.label_regex.groups else match.group(0)}
+            result.error = NO_MATCH
+            return
+        result.label = match.group(1) if self.label_regex.groups else match.group(0)
 
     # -- eval -----------------------------------------------------------------------------------
 
-    def _add_scores(self, rows, records) -> None:
+    def _add_scores(self, rows, results: list[RowResult]) -> None:
         ev = self.spec.eval
         normalize = ev.normalize.model_dump()
         refs = [row.get(ev.reference_column) for row in rows]
-        failed = [r["finish_reason"] == "error" for r in records]
+        failed = [r.finish_reason == "error" for r in results]
         text_metrics = [m for m in ev.metrics if m != "accuracy"]
         columns = {}
         if text_metrics:
-            preds = [None if bad else r["generated_text"] for r, bad in zip(records, failed)]
-            columns.update(M.score_columns(preds, refs, text_metrics, normalize_opts=normalize,
-                                           answer_regex=ev.answer_regex))
+            preds = [None if bad else r.generated_text for r, bad in zip(results, failed)]
+            columns.update(scoring.score_columns(preds, refs, text_metrics, normalize_opts=normalize,
+                                                 answer_regex=ev.answer_regex))
         if "accuracy" in ev.metrics:
             # a generated label that did not parse counts as wrong, not as missing
-            preds = [None if bad else (r.get("label") or "") for r, bad in zip(records, failed)]
-            columns.update(M.score_columns(preds, refs, ["accuracy"], normalize_opts=normalize))
+            preds = [None if bad else (r.label or "") for r, bad in zip(results, failed)]
+            columns.update(scoring.score_columns(preds, refs, ["accuracy"], normalize_opts=normalize))
         for name, values in columns.items():
-            for rec, value in zip(records, values):
-                rec[name] = value
+            for result, value in zip(results, values):
+                result.scores[name] = value
 
 
 def _softmax(logprobs: list[float]) -> list[float]:
@@ -213,8 +189,3 @@ def _softmax(logprobs: list[float]) -> list[float]:
     exp = [math.exp(x - top) for x in logprobs]
     total = sum(exp)
     return [e / total for e in exp]
-
-
-def request_for(row_id: str, chat: bool) -> BatchRequest:
-    """An OpenAI request stand-in for rows that did not come from an OpenAI Batch file."""
-    return BatchRequest(custom_id=row_id, url=CHAT_URL if chat else COMPLETIONS_URL)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from pipeline.io import RunRecord
 
 
 class Progress:
@@ -30,23 +33,24 @@ class Progress:
         self.shards, self.done, self.started = shards, 0, time.time()
         self.total_bytes, self.done_bytes, self.new_bytes = total_bytes or None, 0, 0
 
-    def shard_done(self, run: dict, planned_rows: int, earlier: int = 0, nbytes: int = 0, new: bool = True) -> None:
+    def shard_done(self, run: RunRecord, planned_rows: int, earlier: int = 0, nbytes: int = 0,
+                   new: bool = True) -> None:
         """A shard of `planned_rows` rows and `nbytes` input bytes was committed by this run
         (`new`), or found committed by an earlier one (`earlier` such shards so far); `run`
         holds this run's counts so far."""
         self._count(nbytes, new)
         of = f"/{self.shards}" if self.shards else ""
         before = f", {earlier} committed earlier" if earlier else ""
-        self.write(f"[{self.done}{of} shards{before}] {run['rows']} rows, {run['errors']} errors, "
-                   f"{run['generated_tokens']} tokens, {self.tokens_per_s(run):.1f} tok/s{self._share()}")
+        self.write(f"[{self.done}{of} shards{before}] {run.rows} rows, {run.errors} errors, "
+                   f"{run.generated_tokens} tokens, {self.tokens_per_s(run):.1f} tok/s{self._share()}")
 
     def _count(self, nbytes: int, new: bool) -> None:
         self.done += 1
         self.done_bytes += nbytes
         self.new_bytes += nbytes if new else 0
 
-    def tokens_per_s(self, run: dict) -> float:
-        return run["generated_tokens"] / max(time.time() - self.started, 1e-9)
+    def tokens_per_s(self, run: RunRecord) -> float:
+        return run.generated_tokens / max(time.time() - self.started, 1e-9)
 
     def eta_s(self) -> float | None:
         """Seconds left at this run's rate over the input bytes still to do; None if unknown."""
@@ -96,18 +100,19 @@ class ProgressBar(Progress):
         self.bar = tqdm(total=total, unit="row", desc="generating", file=self.stream, dynamic_ncols=True,
                         bar_format=fmt)
 
-    def shard_done(self, run: dict, planned_rows: int, earlier: int = 0, nbytes: int = 0, new: bool = True) -> None:
+    def shard_done(self, run: RunRecord, planned_rows: int, earlier: int = 0, nbytes: int = 0,
+                   new: bool = True) -> None:
         self._count(nbytes, new)
         of = f"/{self.shards}" if self.shards else ""
         if self.bar.total and not self.shards:  # a byte bar
             eta = self.eta_s()
-            rate = run["rows"] / max(time.time() - self.started, 1e-9)
-            self.bar.set_postfix_str(f"ETA {_duration(eta) if eta is not None else '?'}, {run['rows']} rows, "
-                                     f"{rate:.1f} row/s, {self.tokens_per_s(run):.1f} tok/s, {run['errors']} errors, "
+            rate = run.rows / max(time.time() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"ETA {_duration(eta) if eta is not None else '?'}, {run.rows} rows, "
+                                     f"{rate:.1f} row/s, {self.tokens_per_s(run):.1f} tok/s, {run.errors} errors, "
                                      f"{self.done} shards", refresh=False)
             self.bar.update(nbytes)
             return
-        self.bar.set_postfix_str(f"{self.tokens_per_s(run):.1f} tok/s, {run['errors']} errors, "
+        self.bar.set_postfix_str(f"{self.tokens_per_s(run):.1f} tok/s, {run.errors} errors, "
                                  f"{self.done}{of} shards", refresh=False)
         self.bar.update(planned_rows)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.spec import JobSpec, validate
+from pipeline.spec.schema import JobSpec, validate
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""OpenAI Batch API files: request lines in, response and error lines out.
+"""OpenAI Batch API request lines: what each line asks for, or why it cannot run.
 
 An input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}. `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
@@ -17,19 +17,12 @@ Body fields, by what happens to them:
 A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
 with two engine limits on top: top_p must be > 0 and seed must be >= 0.
 
-Output lines (`response_line`, `error_line`) have OpenAI's shape; their ids are derived from the
-custom_id, so a rerun writes the same bytes. When the job is complete, `write_batch_files` gathers
-the committed lines into output.jsonl and errors.jsonl.
+Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
+written by pipeline.run.openai_files.
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipeline.sink import OutputDir
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -51,12 +44,6 @@ KNOWN_FIELDS = {
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[COMPLETIONS_URL] + ("prompt",)),
 }
 """Body fields understood per endpoint; any other is reported in BatchRequest.unknown."""
-
-INVALID_REQUEST = "invalid_request"
-"""error_line code for a line that could not be parsed or validated."""
-GENERATION_ERROR = "generation_error"
-"""error_line code for a valid request the engine failed (prompt too long, ...)."""
-
 
 @dataclass
 class BatchRequest:
@@ -82,16 +69,6 @@ class BatchRequest:
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT_URL
-
-
-@dataclass
-class TokenLogprob:
-    """One generated token's log-probability and its top alternatives, already decoded to text."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
-    """(token text, logprob) of the most likely tokens, most likely first."""
 
 
 class _RowError(ValueError):
@@ -291,101 +268,3 @@ def _check_stop(where: str, value) -> list[str]:
 
 def _kind(value) -> str:
     return "null" if value is None else type(value).__name__
-
-
-# -- responses ------------------------------------------------------------------------------------
-
-
-def response_line(req: BatchRequest, *, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int, model: str, created: int,
-                  logprobs: list[TokenLogprob] | None = None) -> dict:
-    """The output line of a request that ran: a chat.completion or text_completion body.
-
-    finish_reason: "stop" or "length" (failed rows go through `error_line`). created: Unix
-    seconds; pass one value per job (e.g. its start) so that reruns write identical lines.
-    logprobs: per generated token, when the request asked for them; completion text_offset
-    values count from the start of the generated text.
-    """
-    if req.error is not None or req.url not in URLS or req.custom_id is None:
-        raise ValueError("response_line needs a valid request; write failed requests with error_line")
-    if finish_reason not in ("stop", "length"):
-        raise ValueError(f'finish_reason must be "stop" or "length", got {finish_reason!r}; '
-                         "write failed requests with error_line")
-    for name, value in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    if req.is_chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish_reason, "logprobs": _chat_logprobs(logprobs)}
-        body = {"id": "chatcmpl-" + _digest("completion", req.custom_id), "object": "chat.completion",
-                "created": created, "model": model, "choices": [choice], "usage": usage}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
-                  "logprobs": _completion_logprobs(logprobs)}
-        body = {"id": "cmpl-" + _digest("completion", req.custom_id), "object": "text_completion",
-                "created": created, "model": model, "choices": [choice], "usage": usage}
-    return {"id": _line_id(req.custom_id), "custom_id": req.custom_id,
-            "response": {"status_code": 200, "request_id": _digest("request", req.custom_id), "body": body},
-            "error": None}
-
-
-def error_line(custom_id: str | None, code: str, message: str, *, row_id: str | None = None) -> dict:
-    """The output line of a request that failed (also what goes to the errors file).
-
-    The line id comes from custom_id, or from row_id (the job's row id) when the line had no
-    usable custom_id."""
-    key = custom_id if custom_id is not None else row_id
-    if key is None:
-        raise ValueError("error_line needs a custom_id or a row_id")
-    line_key = key if custom_id is not None else f"row:{row_id}"
-    return {"id": _line_id(line_key), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
-
-
-def _line_id(key: str) -> str:
-    return "batch_req_" + _digest("line", key)
-
-
-def _digest(kind: str, key: str) -> str:
-    return hashlib.sha256(f"{kind}\0{key}".encode()).hexdigest()[:32]
-
-
-def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
-    if logprobs is None:
-        return None
-
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(tok, lp) for tok, lp in t.top]}
-                        for t in logprobs],
-            "refusal": None}
-
-
-def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
-    if logprobs is None:
-        return None
-    offsets, offset = [], 0
-    for t in logprobs:
-        offsets.append(offset)
-        offset += len(t.token)
-    return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
-            "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
-
-
-def write_batch_files(out: OutputDir, parts: Iterable[dict]) -> dict:
-    """output.jsonl (every line, in input order) and errors.jsonl (the failed ones) of a complete
-    job, from its committed parts (index entries). Returns what the manifest says of them."""
-    keys = [p["shard"] for p in sorted(parts, key=lambda p: (p["file"], p["start"]))]
-    everything, failed = [], []
-    for line, obj in out.iter_lines(keys):
-        everything.append(line)
-        if obj["error"] is not None:
-            failed.append(line)
-    for name, lines in (("output.jsonl", everything), ("errors.jsonl", failed)):
-        out.storage.write_atomic(out.storage.path(name), "".join(x + "\n" for x in lines).encode("utf-8"))
-    return {"output_file": "output.jsonl", "error_file": "errors.jsonl",
-            "request_counts": {"total": len(everything), "completed": len(everything) - len(failed),
-                               "failed": len(failed)}}

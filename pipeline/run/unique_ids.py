@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.planner import ShardPlan, planned_dataset
-from pipeline.source import Shard, read_shard
-from pipeline.storage import Storage, with_retries
+from pipeline.errors import JobError
+from pipeline.io import Shard, Storage, read_shard, with_retries
+from pipeline.run.planner import ShardPlan, planned_dataset
+from pipeline.run.ray_env import quiet_ray_data, worker_cause
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
 def check_unique_ids(spec: JobSpec, files: list, plan: ShardPlan) -> None:
     """Raises JobError naming the first duplicate id found (Ray must be initialised)."""
     from ray.data.expressions import col
-
-    from pipeline.dataflow import JobError, quiet_ray_data, worker_cause
 
     quiet_ray_data()
     column = spec.input.id_column

@@ -1,0 +1,16 @@
+"""Where rows live: storage, the input's files and shards, and the output directory's whole layout
+(parts, commit and run records, `_plan/`, `_runs/`, `_lock.json`, the part index). fsspec and
+pyarrow only: no engine, no Ray."""
+from pipeline.errors import InputError, LockHeld
+from pipeline.io.index import INDEX_DIR, LAYOUT, IndexWriter, entries, part_entries
+from pipeline.io.lock import RunLock
+from pipeline.io.output import FINAL_FILES, PLAN_DIR, RUNS_DIR, OutputDir, arrow_owned, decode, encode
+from pipeline.io.records import SUMMARY_FIELDS, CommitRecord, RunRecord
+from pipeline.io.source import (InputFiles, Shard, list_inputs, plan_file, plan_segment, plan_shards, read_schema_columns,
+                                read_shard)
+from pipeline.io.storage import Storage, redact, scrub, secret_values, with_retries
+
+__all__ = ["FINAL_FILES", "INDEX_DIR", "LAYOUT", "PLAN_DIR", "RUNS_DIR", "SUMMARY_FIELDS", "CommitRecord", "arrow_owned", "decode", "encode", "IndexWriter",
+           "InputError", "InputFiles", "LockHeld", "OutputDir", "RunLock", "RunRecord", "Shard", "Storage", "entries",
+           "list_inputs", "part_entries", "plan_file", "plan_segment", "plan_shards", "read_schema_columns", "read_shard",
+           "redact", "scrub", "secret_values", "with_retries"]

@@ -1,0 +1,195 @@
+"""An output directory's whole layout: parts committed atomically per shard, their commit records,
+planning and run records, the final files, _SUCCESS.
+
+Layout of an output directory:
+    _job.json             the spec fingerprint: a rerun with another spec is refused
+    data/part-<key>.*     one part per input shard, written whole or not at all
+    _progress/<key>.json  the shard's commit record (counts, times), written after its part
+    _plan/<block>.json    shards and rows planned by one planning task (for partial reports)
+    _runs/<run>.json      a run's record: times, counts, resources (for usage and cost)
+    _lock.json            the run lock of the run writing the output (pipeline.io.lock)
+    _index/<run>/*.jsonl  the part index: one line per committed shard (see pipeline.io.index)
+    metrics.json          task eval: metrics over the committed scores (written when complete)
+    output.jsonl          openai_batch: every line, in input order (written when complete)
+    errors.jsonl          openai_batch: the failed requests' lines (written when complete)
+    manifest.json         counts, timings, versions, a pointer to the index (written when complete)
+    _SUCCESS              written last
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+
+import pyarrow as pa
+import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
+import pyarrow.parquet as pq
+
+from pipeline.io.records import CommitRecord, RunRecord
+from pipeline.io.source import Shard
+from pipeline.io.storage import Storage, with_retries
+
+FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
+"""Written from the committed parts once every shard is done (by task / format)."""
+
+PLAN_DIR = "_plan"
+"""Planning records, one per planning task."""
+
+RUNS_DIR = "_runs"
+"""Run records, one per run."""
+
+
+class OutputDir:
+    """One job's output directory."""
+
+    def __init__(self, storage: Storage, fmt: str):
+        self.storage = storage
+        self.format = fmt
+        self.ext = "parquet" if fmt == "parquet" else "jsonl"
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    def part_path(self, key: str) -> str:
+        return self.storage.path("data", f"part-{key}.{self.ext}")
+
+    def progress_path(self, key: str) -> str:
+        return self.storage.path("_progress", f"{key}.json")
+
+    def identity(self, shard: Shard) -> dict:
+        """The fields of a commit record that say which shard and part it is."""
+        return {"shard": shard.key, "path": self.storage.uri(self.part_path(shard.key)), "file": shard.name,
+                "start": shard.start, "stop": shard.stop, "bytes": shard.byte_stop - shard.byte_start}
+
+    # -- job record -----------------------------------------------------------------------------
+
+    def read_json(self, name: str) -> dict | None:
+        path = self.storage.path(name)
+        return json.loads(self.storage.read_text(path)) if self.storage.exists(path) else None
+
+    def write_json(self, name: str, data: dict) -> None:
+        self.storage.write_atomic(self.storage.path(name), json.dumps(data, indent=1, default=str).encode())
+
+    def is_complete(self) -> bool:
+        return self.storage.exists(self.storage.path("_SUCCESS"))
+
+    def mark_success(self) -> None:
+        self.storage.write_atomic(self.storage.path("_SUCCESS"), b"")
+
+    def clear(self) -> None:
+        for name in ("_SUCCESS", "manifest.json", "_job.json", *FINAL_FILES):
+            path = self.storage.path(name)
+            if self.storage.exists(path):
+                self.storage.fs.rm(path)
+        for sub in ("data", "_progress", PLAN_DIR, "_index"):
+            self.storage.remove_tree(self.storage.path(sub))
+
+    # -- parts ----------------------------------------------------------------------------------
+
+    def done_keys(self) -> set[str]:
+        """Keys of the shards whose part is committed (one entry per shard, not per row)."""
+        keys = set()
+        for path in self.storage.list(self.storage.path("data")):
+            name = posixpath.basename(path)
+            if name.startswith("part-") and name.endswith("." + self.ext):
+                keys.add(name[len("part-"): -len(self.ext) - 1])
+        return keys
+
+    def commit(self, key: str, table: pa.Table, record: CommitRecord) -> str:
+        """Writes the shard's part (atomically), then its commit record. Returns the part path."""
+        path = self.part_path(key)
+        self.storage.write_atomic(path, encode(table, self.format))
+        self.storage.write_atomic(self.progress_path(key), record.to_json().encode())
+        return path
+
+    def summary(self, key: str) -> CommitRecord:
+        """A committed shard's record: as written with its part, or recounted from the part if the
+        job died between the two writes."""
+        path = self.progress_path(key)
+        if self.storage.exists(path):
+            return CommitRecord.from_json(self.storage.read_text(path))
+        record = CommitRecord.counted(self.read_part(key))
+        self.storage.write_atomic(path, record.to_json().encode())
+        return record
+
+    def committed(self, shard: Shard) -> CommitRecord | None:
+        """The commit record of `shard` if its part is committed, else None (storage errors retried)."""
+        if not with_retries(lambda: self.storage.exists(self.part_path(shard.key)), f"checking shard {shard.key}"):
+            return None
+        record = with_retries(lambda: self.summary(shard.key), f"reading the commit record of {shard.key}")
+        return CommitRecord.from_dict({**record.to_dict(), **self.identity(shard)})
+
+    def read_part(self, key: str) -> pa.Table:
+        return decode(self.storage.read_bytes(self.part_path(key)), self.format)
+
+    def iter_lines(self, keys: list[str]):
+        """openai_batch: every committed line, part by part in `keys` order, as parsed dicts."""
+        for key in keys:
+            for line in self.read_part(key).column("line").to_pylist():
+                yield line, json.loads(line)
+
+
+    # -- runs and planning ----------------------------------------------------------------------
+
+    def write_run(self, run: RunRecord) -> None:
+        run.touch()
+        self.storage.write_atomic(self.storage.path(RUNS_DIR, f"{run.run_id}.json"), json.dumps(run.to_dict()).encode())
+
+    def read_runs(self) -> list[RunRecord]:
+        runs = []
+        for path in self.storage.list(self.storage.path(RUNS_DIR)):
+            if posixpath.basename(path).endswith(".json"):
+                runs.append(RunRecord.from_dict(json.loads(self.storage.read_text(path))))
+        return sorted(runs, key=lambda r: r.started)
+
+    def write_plan_record(self, names: list[str], data: dict) -> None:
+        """The record of one planning task, named after the units it planned (`names`), so that a
+        retried task overwrites its own record."""
+        key = hashlib.sha1("\0".join(names).encode()).hexdigest()[:20]
+        path = self.storage.path(PLAN_DIR, f"{key}.json")
+        with_retries(lambda: self.storage.write_atomic(path, json.dumps(data).encode()), "writing a plan record")
+
+    def plan_summary(self, plan_blocks: int | None) -> dict | None:
+        """Sums of the planning records (tasks, files, shards, rows, seconds of task time), or None
+        while fewer than `plan_blocks` planning tasks (the current run's) have recorded."""
+        records = [p for p in self.storage.list(self.storage.path(PLAN_DIR)) if p.endswith(".json")]
+        if len(records) != plan_blocks:
+            return None
+        total = {"tasks": len(records), "files": 0, "shards": 0, "rows": 0, "seconds": 0.0}
+        for path in records:
+            data = json.loads(self.storage.read_text(path))
+            for k in ("files", "shards", "rows", "seconds"):
+                total[k] += data.get(k, 0)
+        return total
+
+
+def decode(data: bytes, fmt: str) -> pa.Table:
+    """A part's table from its bytes (the inverse of `encode`)."""
+    if fmt == "parquet":
+        return pq.ParquetFile(pa.BufferReader(arrow_owned(data))).read()
+    lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
+    if fmt == "openai_batch":
+        return pa.table({"line": pa.array(lines, pa.string())})
+    return pa.Table.from_pylist([json.loads(line) for line in lines])
+
+
+def arrow_owned(data: bytes) -> pa.Buffer:
+    """`data` copied into memory that Arrow owns. Arrow's thread pools may drop the last reference
+    to a buffer after the call that used it returned; when that buffer wraps a Python object, the
+    pool thread takes the GIL to free it, and if the interpreter is exiting by then, the thread is
+    ended inside a C++ destructor and the process aborts ("terminate called without an active
+    exception", exit code 134). A buffer of Arrow's own needs no GIL to be freed."""
+    buf = pa.allocate_buffer(len(data))
+    memoryview(buf).cast("B")[:] = data
+    return buf
+
+
+def encode(table: pa.Table, fmt: str) -> bytes:
+    if fmt == "openai_batch":
+        return "".join(line + "\n" for line in table.column("line").to_pylist()).encode("utf-8")
+    if fmt == "parquet":
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        return buf.getvalue()
+    return "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n"
+                   for row in table.to_pylist()).encode("utf-8")

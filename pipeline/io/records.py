@@ -1,0 +1,201 @@
+"""The records an output directory keeps besides its parts: a shard's commit record and a run's record.
+
+Both are JSON on storage. They are read back by later versions, so a field is only ever added,
+with a default, and `from_dict` fills what an older record lacks and ignores what it does not know.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pipeline.spec import WorkersSpec
+
+
+
+def _known(cls, data: dict) -> dict:
+    """The fields of `cls` that `data` holds; a null where the field has a default of another kind
+    is left out, so the default applies."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if f.name in data and not (data[f.name] is None and has_default and f.default is not None):
+            out[f.name] = data[f.name]
+    return out
+
+
+@dataclass(kw_only=True)
+class Counts:
+    """The counts kept per shard and summed per run and per job."""
+
+    rows: int = 0
+    """Output rows."""
+    errors: int = 0
+    """Rows with finish_reason "error"."""
+    skipped: int = 0
+    """Malformed lines left out (input.on_bad_line: skip)."""
+    prompt_tokens: int = 0
+    """Prompt tokens over the rows."""
+    generated_tokens: int = 0
+    """Generated tokens over the rows."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens served by the engine's prefix cache (0 in records written before it was counted)."""
+
+    def add(self, other: Counts) -> None:
+        for k in SUMMARY_FIELDS:
+            setattr(self, k, getattr(self, k) + int(getattr(other, k)))
+
+    def counts(self) -> dict:
+        return {k: getattr(self, k) for k in SUMMARY_FIELDS}
+
+
+SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(Counts))
+"""Counts kept per shard and summed per run and per job."""
+
+
+@dataclass(kw_only=True)
+class CommitRecord(Counts):
+    """One committed shard: which part it is, what it holds and what it cost (its Counts are
+    over the part's rows). Written to `_progress/<shard>.json` with the part, and one line of the
+    part index."""
+
+    shard: str = ""
+    """The shard's key: its part is data/part-<shard>.<ext>."""
+    path: str = ""
+    """The part's URL."""
+    file: str = ""
+    """The input file, relative to the input root."""
+    start: int = 0
+    """First row (JSONL: line) of the file in the shard, 0-based."""
+    stop: int = 0
+    """One past the shard's last row."""
+    bytes: int = 0
+    """Input bytes the shard covers (Parquet: its rows' share of the file); progress is measured in them."""
+    error_samples: list[str] = field(default_factory=list)
+    """The first few error messages of the part."""
+    worker: str | None = None
+    """host:pid of the actor that ran the shard."""
+    read_seconds: float = 0.0
+    """Reading the shard's input."""
+    engine_seconds: float = 0.0
+    """The task's engine work."""
+    commit_seconds: float = 0.0
+    """Writing the part and this record (0 in the record on storage, which is written before it is known)."""
+    idle_seconds: float = 0.0
+    """The actor's wait since its previous shard (Ray Data's hand-over)."""
+    seconds: float = 0.0
+    """The shard in all, from its read to its commit."""
+    committed_at: float | None = None
+    """Unix time of the commit."""
+    oom_retries: int = 0
+    """Times the shard was retried at half the engine's budget after running out of memory."""
+    oom_budgets: list[int] = field(default_factory=list)
+    """The max_batch_tokens budgets those retries ran at."""
+    max_batch_tokens: int | None = None
+    """The engine budget the part was generated at."""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CommitRecord:
+        return cls(**_known(cls, data))
+
+    @classmethod
+    def from_json(cls, text: str) -> CommitRecord:
+        return cls.from_dict(json.loads(text))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=str)
+
+    @classmethod
+    def counted(cls, table: pa.Table) -> CommitRecord:
+        """A record of the counts over an output table (identity and times left unset)."""
+        if table.column_names == ["line"]:
+            return _counted_openai(table)
+        d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
+        errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
+        return cls(rows=table.num_rows, errors=len(errors), prompt_tokens=int(sum(d["num_prompt_tokens"])),
+                   generated_tokens=int(sum(d["num_generated_tokens"])), error_samples=errors[:3])
+
+
+def _counted_openai(table: pa.Table) -> CommitRecord:
+    """CommitRecord.counted over OpenAI Batch output lines."""
+    errors, prompt, generated = [], 0, 0
+    for line in table.column("line").to_pylist():
+        obj = json.loads(line)
+        if obj["error"] is not None:
+            errors.append(obj["error"]["message"])
+        else:
+            usage = obj["response"]["body"]["usage"]
+            prompt += usage["prompt_tokens"]
+            generated += usage["completion_tokens"]
+    return CommitRecord(rows=table.num_rows, errors=len(errors), prompt_tokens=prompt, generated_tokens=generated,
+                        error_samples=errors[:3])
+
+
+@dataclass(kw_only=True)
+class RunRecord(Counts):
+    """One run of a job (a resumed job has several), kept under `_runs/<run_id>.json` while it goes
+    (rewritten on every lock heartbeat), for the job's usage and cost. Its Counts are those of the
+    shards this run committed."""
+
+    run_id: str
+    """Start time and a random suffix, e.g. 20261130T020000-3fa2c1."""
+    started: float
+    """Unix time the run started."""
+    last_seen: float
+    """Unix time the run was last known alive: a crashed run counts up to here."""
+    finished: float | None = None
+    """Unix time the run ended; None while it runs (or after a crash)."""
+    status: str = "running"
+    """running | done | failed"""
+    generate_started: float | None = None
+    """Unix time the shards started running (after Ray's start and the checks)."""
+    generate_seconds: float = 0.0
+    """Wall time of the shards so far."""
+    workers: int = 1
+    """Engine actors the run started: workers.num, or fewer when the input has fewer planning tasks."""
+    resource: str = "cpu_core"
+    """What an actor's time is counted in: gpu, or cpu_core."""
+    resource_per_actor: float = 1
+    """GPUs per actor, or the CPU cores its engine's threads use."""
+    planning: dict | None = None
+    """Sums of the planning records (tasks, files, shards, rows, seconds), once the run is done."""
+
+    @classmethod
+    def start(cls, workers: WorkersSpec, run_id: str) -> RunRecord:
+        """The record of a run starting now with these workers."""
+        per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
+        now = time.time()
+        return cls(run_id=run_id, started=now, last_seen=now, workers=workers.num,
+                   resource="gpu" if workers.gpus else "cpu_core", resource_per_actor=per_actor)
+
+    def start_generating(self) -> None:
+        self.generate_started = time.time()
+
+    def touch(self) -> None:
+        """Brings the clock fields up to now (while the run is still going)."""
+        if self.finished is not None:
+            return
+        now = time.time()
+        self.last_seen = now
+        if self.generate_started is not None:
+            self.generate_seconds = now - self.generate_started
+
+    def end(self, status: str) -> None:
+        self.touch()
+        self.status, self.finished = status, time.time()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunRecord:
+        return cls(**_known(cls, data))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

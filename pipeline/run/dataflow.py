@@ -1,0 +1,55 @@
+"""The Ray Data pipeline of a job: plan (Ray tasks) -> read + generate + commit (engine actors).
+
+The driver consumes one commit record per shard as the stream delivers them, adds each to the
+part index and to the job's totals, and prints progress; it never holds the plan.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.errors import JobError
+from pipeline.io import CommitRecord, IndexWriter, RunRecord
+from pipeline.run import chaos
+from pipeline.run.planner import ShardPlan, plan_blocks, planned_dataset
+from pipeline.run.ray_env import quiet_ray_data, worker_cause
+from pipeline.run.report import PartTotals
+from pipeline.run.resources import engine_stage_args
+from pipeline.run.worker import ShardWorker
+
+if TYPE_CHECKING:
+    from pipeline.spec import Job
+
+def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord, index: IndexWriter,
+            progress) -> PartTotals:
+    """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
+    `index` and to the returned totals; the counts of shards committed now are added to `run`."""
+    quiet_ray_data()
+    # Each planning task hands its shards on as one block, and a block goes to one actor: an actor
+    # beyond the number of planning tasks would load its model and never get a shard.
+    run.workers = min(job.spec.workers.num, plan_blocks(files, plan.segment_bytes))
+    ds = planned_dataset(job.spec, files, resume, plan).map_batches(
+        ShardWorker, fn_constructor_kwargs={"job": job}, batch_size=1, batch_format="numpy",
+        **engine_stage_args(job.spec.workers, actors=run.workers, env=chaos.forwarded_env()))
+    totals, earlier = PartTotals(), 0
+    progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
+    rows = iter(ds.iter_rows())
+    try:
+        for row in rows:
+            record = CommitRecord.from_json(row["record"])
+            index.add(record)
+            totals.add(record)
+            if row["new"]:
+                run.add(record)
+            else:
+                earlier += 1
+            progress.shard_done(run, record.rows if row["new"] else 0, earlier, nbytes=record.bytes,
+                                new=bool(row["new"]))
+    except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
+        raise JobError(worker_cause(exc)) from exc
+    finally:
+        # Closing the stream shuts Ray Data's executor down now: after a failure, the engine
+        # actors must not live on for as long as the caller keeps the exception (Airflow, tests).
+        getattr(rows, "close", lambda: None)()
+        progress.close()
+    index.flush()
+    return totals

@@ -1,0 +1,191 @@
+"""The engine actors: one engine each; a job's ShardWorker turns whole shards into committed parts."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from engine.config import CPU_POOL_TOKENS
+from engine.errors import one_line
+from pipeline.errors import FatalShardError
+from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
+from pipeline.run import chaos
+from pipeline.tasks import cached_tokens, empty_device_cache, is_out_of_memory, output_table, start_engine
+
+if TYPE_CHECKING:
+    from pipeline.spec import Job
+
+MAX_OOM_HALVINGS = 4
+"""Times a shard is retried at half the engine's max_batch_tokens before the job fails."""
+
+log = logging.getLogger(__name__)
+
+
+class EngineActor:
+    """A Ray Data actor holding one engine. A constructor that raises makes Ray restart the actor
+    again and again; a failed setup is instead reported by the first call (`check_setup`), which
+    fails the job or the dataset with this one line.
+
+    All of the actor's torch work, the engine's build and every call, runs on one thread of its
+    own (`on_engine_thread`). Ray Data constructs the actor on one thread and calls it on another,
+    and on CPU each thread that runs torch ops gets its own OpenMP team: with two teams on the
+    node's cores libgomp stops spinning and sleeps at every barrier, and the engine ran at ~0.65x
+    of its speed in one thread (scripts/bench_scale.py --bare; docs/SCALE.md)."""
+
+    def __init__(self, *args, **kwargs):
+        self.setup_error = None
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        try:
+            self.on_engine_thread(self._setup, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.setup_error = f"worker setup failed on {socket.gethostname()}: {one_line(exc)}"
+
+    def on_engine_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs), run on the actor's engine thread; its exception is raised here."""
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
+
+    def _setup(self, *args, **kwargs) -> None:
+        raise NotImplementedError
+
+    def check_setup(self) -> None:
+        if self.setup_error:
+            raise FatalShardError(self.setup_error)
+
+
+class ShardWorker(EngineActor):
+    """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
+    engine on its rows, and commits one output part per shard. Returns one summary per shard."""
+
+    def _setup(self, job: Job) -> None:
+        chaos.point("init")
+        self.job = job
+        self.spec = spec = job.spec
+        self.input = Storage(spec.input.path, spec.input.storage_options)
+        self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
+        self.engine_config = spec.engine_config()
+        self._build_engine()
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.last_done = 0.0
+
+    def __call__(self, batch: dict) -> dict:
+        """One commit record (JSON) per shard: its identity, counts and times. A shard the
+        planner found committed already is passed through with its record, without work."""
+        self.check_setup()
+        return self.on_engine_thread(self._shards, batch)
+
+    def _shards(self, batch: dict) -> dict:
+        records, new = [], []
+        for shard, done in zip(Shard.from_batch(batch), batch["committed"]):
+            records.append(str(done) if done else self.process(shard).to_json())
+            new.append(not done)
+        return {"record": records, "new": new}
+
+    def process(self, shard: Shard) -> CommitRecord:
+        started = time.perf_counter()
+        idle = started - self.last_done if self.last_done else 0.0
+        rows, ids, errors = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
+        read = time.perf_counter()
+        rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
+        ids = self._ids(rows, ids, errors)
+        cached_before = cached_tokens(self.engine)
+        results, budgets = self._run_tasks(rows, ids, errors)
+        engine = time.perf_counter()
+        table = output_table(self.spec, rows, ids, results)
+        counts = CommitRecord.counted(table)
+        if self.output.format == "openai_batch":
+            table = self._openai_lines(rows, ids, results)
+        record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
+                         cached_prompt_tokens=cached_tokens(self.engine) - cached_before,
+                         read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
+                         oom_retries=len(budgets), oom_budgets=budgets,
+                         max_batch_tokens=self._pool_tokens())
+        chaos.point("shard")
+        before_commit = time.perf_counter()
+        record.seconds = before_commit - started
+        with_retries(lambda: self.output.commit(shard.key, table, record), f"committing shard {shard.key}")
+        self.last_done = time.perf_counter()
+        record.commit_seconds = self.last_done - before_commit
+        record.committed_at = time.time()
+        record.seconds = self.last_done - started
+        return record
+
+    def _run_tasks(self, rows, ids, errors) -> tuple[list, list[int]]:
+        """The task's results for the rows. Out of memory (accelerator or host) is not the job's
+        failure: the engine is rebuilt with half its max_batch_tokens and the shard retried,
+        up to MAX_OOM_HALVINGS times. Returns the records and the budgets retried at."""
+        budgets: list[int] = []
+        while True:
+            attempt = list(errors)  # the task marks failed rows in place; each try starts afresh
+            try:
+                results = self.tasks.run(rows, ids, attempt)
+                errors[:] = attempt
+                return results, budgets
+            except Exception as exc:  # noqa: BLE001
+                if not is_out_of_memory(exc):
+                    raise
+                if len(budgets) == MAX_OOM_HALVINGS or self._pool_tokens() < 2:
+                    raise FatalShardError(f"out of memory at engine.max_batch_tokens="
+                                          f"{self._pool_tokens()} after {len(budgets)} halvings: "
+                                          f"{one_line(exc)}") from exc
+                budgets.append(self._halve_budget())
+
+    def _pool_tokens(self) -> int:
+        """The KV pool's tokens: the configured max_batch_tokens, else what the engine sized."""
+        if self.engine_config.max_batch_tokens is not None:
+            return self.engine_config.max_batch_tokens
+        return getattr(self.engine, "pool_tokens", None) or CPU_POOL_TOKENS
+
+    def _halve_budget(self) -> int:
+        budget = self._pool_tokens() // 2
+        self.engine_config = replace(self.engine_config, max_batch_tokens=budget)
+        log.warning("out of memory on a shard: rebuilding the engine with max_batch_tokens=%d", budget)
+        self.engine = self.tasks = None  # let the old engine's memory go before the new one loads
+        gc.collect()
+        empty_device_cache()
+        self._build_engine()
+        return budget
+
+    def _build_engine(self) -> None:
+        self.engine, self.tasks = start_engine(self.spec, config=self.engine_config)
+
+    def _bad_lines(self, rows, ids, errors):
+        """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),
+        skip (leave out, counted), fail (stop the job naming the line)."""
+        policy = self.spec.input.on_bad_line
+        bad = [i for i, e in enumerate(errors) if e is not None]
+        if not bad or policy == "error":
+            return rows, ids, errors, 0
+        if policy == "fail":
+            raise FatalShardError(errors[bad[0]])
+        keep = [i for i, e in enumerate(errors) if e is None]
+        return [rows[i] for i in keep], [ids[i] for i in keep], [None] * len(keep), len(bad)
+
+    def _ids(self, rows: list[dict], derived: list[str], errors: list) -> list[str]:
+        column = self.spec.input.id_column
+        if not column:
+            return derived
+        ids, seen = [], set()
+        for i, row in enumerate(rows):
+            value = row.get(column)
+            if value is None:
+                if errors[i] is None:
+                    errors[i] = f"id column {column!r} is missing or null"
+                value = derived[i]
+            value = str(value)
+            if value in seen:
+                raise FatalShardError(f"duplicate id {value!r} in column {column!r}")
+            seen.add(value)
+            ids.append(value)
+        return ids
+
+    def _openai_lines(self, rows, ids, results) -> pa.Table:
+        """OpenAI Batch output: one response (or error) line per row, as JSON text."""
+        lines = self.tasks.openai_lines(rows, ids, results, self.job.created or int(time.time()))
+        return pa.table({"line": pa.array(lines, pa.string())})

@@ -1,0 +1,68 @@
+"""The engine a task runs on: built for a spec (or a halved budget), its CPU threads shared among
+a node's actors, and what counts as running out of memory."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from pipeline.tasks.task_runner import TaskRunner
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
+    from pipeline.spec import JobSpec
+    from pipeline.tasks.prompts import PromptBuilder
+
+OOM_MARKERS = ("out of memory", "DefaultCPUAllocator")
+"""Texts of allocation failures that torch raises as plain RuntimeErrors (host memory)."""
+
+
+def start_engine(spec: JobSpec, prompts: PromptBuilder | None = None,
+                 config: EngineConfig | None = None) -> tuple[LLMEngine, TaskRunner]:
+    """The engine for `spec` (or for `config`, e.g. at a halved budget; its CPU threads shared
+    among the node's actors) and its task runner."""
+    if not spec.workers.gpus:
+        share_cpu_threads(spec.workers.num)
+    engine = build_engine(config or spec.engine_config())
+    return engine, TaskRunner(spec, engine, prompts)
+
+
+def build_engine(config: EngineConfig):
+    """An engine: LLMEngine, or the instant EchoEngine for builtin:echo (scale tests)."""
+    from engine import LLMEngine  # the engine's modules import torch: only when one is built
+    from engine.echo import ECHO_MODEL, EchoEngine
+
+    if config.model == ECHO_MODEL:
+        return EchoEngine(config)
+    return LLMEngine(config)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: torch.OutOfMemoryError (CUDA, MPS) or a host allocator's RuntimeError."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        isinstance(exc, MemoryError) or any(m in str(exc) for m in OOM_MARKERS))
+
+
+def empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cached_tokens(engine) -> int:
+    """Prompt tokens the engine has served from its prefix cache so far."""
+    pool = getattr(engine, "pool", None)
+    return pool.hit_tokens if pool is not None else 0
+
+
+def share_cpu_threads(num_workers: int) -> None:
+    """Ray caps a fractional-CPU actor at one math thread (OMP_NUM_THREADS=1); on a CPU-only
+    node the engines should share the cores instead."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))

@@ -1,0 +1,53 @@
+"""What the task makes of one row: the engine's fields of its output row, as a typed record.
+
+This is the boundary between the task (pipeline.tasks.task_runner) and what is written from it:
+the output table (pipeline.tasks.table) and OpenAI Batch lines (pipeline.tasks.openai_responses).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeline.spec import SCORE_PREFIX
+
+if TYPE_CHECKING:
+    from pipeline.tasks.openai_requests import BatchRequest
+
+
+@dataclass
+class RowResult:
+    """One row's result. The first fields are output columns of the same name; `ran`, `request`
+    and `logprobs` are not written as columns: they shape the row's OpenAI Batch line."""
+
+    generated_text: str = ""
+    """The generated text (label tasks that score choices: the chosen label); "" when the row failed."""
+    num_prompt_tokens: int = 0
+    """Tokens of the prompt as the engine saw it."""
+    num_generated_tokens: int = 0
+    """Tokens generated (0 for choice scoring)."""
+    finish_reason: str = "error"
+    """stop | length | error"""
+    error: str | None = None
+    """Why the row failed, or a note (label_regex did not match); None otherwise."""
+    label: str | None = None
+    """label and eval tasks: the chosen or parsed label."""
+    label_probs: list[float] | None = None
+    """Choice scoring: softmax over the choices' summed log-likelihoods."""
+    label_logprobs: list[float] | None = None
+    """Choice scoring: each choice's summed log-likelihood after the prompt."""
+    label_logprobs_per_token: list[float] | None = None
+    """Choice scoring: each choice's mean log-likelihood per token."""
+    scores: dict[str, float | None] = field(default_factory=dict)
+    """eval: score_<metric> column -> 1.0, 0.0 or None (unscored)."""
+    ran: bool = False
+    """The engine ran the row: a failure is then a generation error, not an invalid request."""
+    request: BatchRequest | None = None
+    """The OpenAI Batch request the row came from (input.format openai_batch), else None."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token, {token id: logprob}, chosen token first, when sampling asked for logprobs."""
+
+    def column(self, name: str):
+        """The value of output column `name`."""
+        if name.startswith(SCORE_PREFIX):
+            return self.scores.get(name)
+        return getattr(self, name)

@@ -1,0 +1,61 @@
+"""The output table of a batch of rows: id, the passed-through input columns, then the task's."""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from pipeline.spec import SCORE_PREFIX, output_columns
+
+if TYPE_CHECKING:
+    from pipeline.spec import JobSpec
+    from pipeline.tasks.records import RowResult
+
+_SCORES = pa.list_(pa.float64())
+COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+                "finish_reason": pa.string(), "error": pa.string(), "label": pa.string(), "label_probs": _SCORES,
+                "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
+"""Arrow types of the columns the task writes (score_<metric> columns are float64), so that
+every part of a job has the same schema, whatever its rows held."""
+
+
+def column_type(name: str) -> pa.DataType | None:
+    if name.startswith(SCORE_PREFIX):
+        return pa.float64()
+    return COLUMN_TYPES.get(name)
+
+
+def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[RowResult]) -> pa.Table:
+    """The output rows: id, the passed-through input columns, then the task's columns."""
+    keep = spec.input.columns
+    if keep is not None:  # eval needs its reference and group columns in the committed parts
+        keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
+    produced = output_columns(spec)
+    out = []
+    for row, row_id, result in zip(rows, ids, results):
+        record = {"id": row_id}
+        for name, value in row.items():
+            if (keep is None or name in keep) and name not in produced and name != "id":
+                record[name] = value
+        record.update((k, result.column(k)) for k in produced)
+        out.append(record)
+    if not out:
+        return pa.table({"id": pa.array([], pa.string()),
+                         **{name: pa.array([], column_type(name)) for name in produced}})
+    names = list(dict.fromkeys(name for record in out for name in record))
+    return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
+
+
+def _column(values: list, dtype: pa.DataType | None = None) -> pa.Array:
+    """An Arrow column from Python values: of `dtype` for the columns this job writes; for passed-
+    through input columns, mixed types become JSON text and a column that is null in every row
+    becomes text, so that the parts of one job agree."""
+    if dtype is not None:
+        return pa.array(values, dtype)
+    try:
+        array = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        array = pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values],
+                         pa.string())
+    return array.cast(pa.string()) if pa.types.is_null(array.type) else array

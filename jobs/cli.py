@@ -243,6 +243,7 @@ def tune(config, model, input_, overrides, rows, memory_limit, mbt, mns, schedul
             sys.exit(code)
     best = T.recommend(results, limit)
     click.echo(R.table(results, best))
+    click.echo(R.pools(results))
     click.echo(R.summary(results, best, limit))
     if plot:
         try:

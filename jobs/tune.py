@@ -61,9 +61,11 @@ class Measurement:
     ttft: list[float] = field(default_factory=list)
     """Seconds from the start to each generated request's first token."""
     peak_kv_tokens: int | None = None
-    """Most KV-cache slots reserved at once (None: the task generated nothing)."""
+    """Most KV tokens held at once: blocks in use x block size (None: the task generated nothing)."""
     kv_bytes_per_token: int = 0
     peak_memory_bytes: int = 0
+    memory: dict = field(default_factory=dict)
+    """The engine's own figures (`LLMEngine.memory`): KV pool blocks and bytes, weights' bytes, quantization."""
 
     @property
     def peak_kv_bytes(self) -> int | None:
@@ -130,7 +132,9 @@ def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -
         while not runs or (len(runs) < REPEATS and sum(r.seconds for r in runs) < MIN_SECONDS):
             runs.append(_run_once(setting, llm, tasks, rows, ids))
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-    run.kv_bytes_per_token, run.peak_memory_bytes = kv_bytes_per_token(llm.config), memory.peak
+    run.memory = llm.memory
+    run.kv_bytes_per_token = run.memory["kv_bytes"] // run.memory["kv_tokens"]
+    run.peak_memory_bytes = memory.peak
     return run
 
 
@@ -164,24 +168,6 @@ def _score(tasks, rows, ids) -> tuple[dict, list[float]]:
     results = tasks.run(rows, ids, [None] * len(rows))
     return {"errors": sum(r.finish_reason == "error" for r in results), "generated_tokens": 0,
             "prompt_tokens": sum(r.num_prompt_tokens for r in results)}, []
-
-
-def kv_bytes_per_token(config) -> int:
-    """Bytes of keys and values one token holds across all layers, from the model's config."""
-    import torch
-    from transformers import AutoConfig
-
-    from engine.loader import resolve_model_dir
-
-    text = AutoConfig.from_pretrained(resolve_model_dir(config)).get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    dtype = config.dtype
-    if dtype == "auto":
-        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-        dtype = "bfloat16" if cuda else "float32"
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
 
 class _MemoryPeak:

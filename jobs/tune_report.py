@@ -24,6 +24,22 @@ def table(results: list[Measurement], best: Measurement | None) -> str:
                      for mark, row in zip(marks, lines))
 
 
+def pools(results: list[Measurement]) -> str:
+    """The engine's memory: each setting's KV pool, and the weights (with their quantization)."""
+    lines = []
+    for r in results:
+        m = r.memory
+        if m:
+            lines.append(f"  {r.setting.flags()}: KV pool {m['kv_blocks']} blocks x {m['block_size']} tokens = "
+                         f"{m['kv_bytes'] / 2**20:.1f} MiB")
+    weights = next((r.memory for r in results if r.memory), None)
+    if weights:
+        q = weights.get("quantization") or "none"
+        lines.append(f"  weights: {weights['weights_bytes'] / 2**20:.1f} MiB (quantization: {q}; compare with "
+                     "--set engine.quantization=int8 for what int8 saves)")
+    return "\n".join(lines)
+
+
 def summary(results: list[Measurement], best: Measurement | None, memory_limit: int | None) -> str:
     """The recommendation in one line, as the flags that set it."""
     limit = f" under {memory_limit / 2**20:.0f} MiB" if memory_limit is not None else ""

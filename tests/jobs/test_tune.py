@@ -78,7 +78,11 @@ def test_memory_sizes_and_kv_bytes():
     assert T.parse_bytes("8GiB") == 8 * 2**30 and T.parse_bytes("16G") == 16 * 10**9
     assert T.parse_bytes("512MiB") == 512 * 2**20 and T.parse_bytes("2e9") == 2 * 10**9
     # builtin:tiny: 4 layers x 2 KV heads x head dim 32, keys and values, float32 on CPU
-    assert T.kv_bytes_per_token(EngineConfig(model="builtin:tiny", device="cpu")) == 4 * 2 * 32 * 2 * 4
+    from engine import LLMEngine
+
+    memory = LLMEngine(EngineConfig(model="builtin:tiny", device="cpu")).memory
+    assert memory["kv_bytes"] // memory["kv_tokens"] == 4 * 2 * 32 * 2 * 4
+    assert memory["kv_blocks"] * memory["block_size"] == memory["kv_tokens"] == 8192
 
 
 def test_recommendation_is_the_smallest_setting_near_the_fastest_that_fits():

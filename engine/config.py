@@ -51,7 +51,7 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     """Deprecated and ignored: cached prefix blocks live in the KV pool's free blocks."""
     enforce_eager: bool = False
-    """Run decode steps eagerly; by default on CUDA they replay CUDA graphs captured per batch-size bucket (vLLM's name)."""
+    """Run decode steps eagerly (vLLM's name). Decode CUDA graphs are not captured over the paged pool yet, so every pass is eager today."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
     allow_pickle: bool = False

@@ -37,6 +37,7 @@ def test_fp32_greedy_matches_transformers_on_cuda(arch, mode, tiny_model_dir, re
     ref_model.to("cpu")
 
 
+@pytest.mark.skip(reason="the paged engine captures no decode graphs yet (GPU-kernels issue): both runs would be eager")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_give_the_same_tokens_as_eager(dtype, tiny_model_dir):
     path = str(tiny_model_dir("llama"))

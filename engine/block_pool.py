@@ -86,6 +86,17 @@ class BlockPool:
                 del self.free[b]
             self.refs[b] += 1
 
+    def table(self, shared: list[int], tokens: int) -> list[int]:
+        """A row's block table for `tokens` positions: the `shared` blocks first (a cached prefix,
+        or another row's prompt), referenced, then fresh blocks for the rest."""
+        self.take_cached(shared)
+        return shared + self.allocate(self.blocks_for(tokens) - len(shared))
+
+    def count_lookup(self, tokens: int, hit: int) -> None:
+        """A prefix lookup of `tokens` prompt tokens found `hit` of them cached."""
+        self.queried_tokens += tokens
+        self.hit_tokens += hit
+
     def name(self, block: int, name: bytes) -> None:
         """Registers a block whose tokens are all computed under its chain name. A name already
         held by another block stays with that one (the duplicate is used, but not shared)."""

@@ -178,12 +178,10 @@ class Scheduler:
             if free_after < (watermark if self.running else 0):
                 break
             del queue[i]
-            self.pool.take_cached(cached)
-            seq.block_ids = cached + self.pool.allocate(need)
+            seq.block_ids = self.pool.table(cached, seq.num_tokens + 1)
             seq.num_computed_tokens = len(cached) * self.pool.block_size
             seq.cached_tokens += seq.num_computed_tokens
-            self.pool.queried_tokens += seq.num_tokens
-            self.pool.hit_tokens += seq.num_computed_tokens
+            self.pool.count_lookup(seq.num_tokens, seq.num_computed_tokens)
             for name in names[len(cached):]:
                 self.inflight.setdefault(name, seq)
             seq.status = Status.RUNNING

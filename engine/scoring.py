@@ -99,9 +99,7 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
                     continue
                 fork = Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
                                 params=SamplingParams(max_tokens=1), seed=0)
-                pool.take_cached(seq.block_ids[:full])
-                fork.block_ids = seq.block_ids[:full] + pool.allocate(
-                    pool.blocks_for(fork.num_tokens) - full)
+                fork.block_ids = pool.table(seq.block_ids[:full], fork.num_tokens)
                 if len(seq.prompt_token_ids) % bs:
                     llm.cache.copy_block(seq.block_ids[full], fork.block_ids[full])
                 forks.append(fork)
@@ -150,11 +148,9 @@ def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
                 if len(cached) < len(seq.block_names) and seq.block_names[len(cached)] in inflight:
                     later.append(r)
                     continue
-                pool.take_cached(cached)
-                seq.block_ids = cached + pool.allocate(pool.blocks_for(seq.num_prompt_tokens) - len(cached))
+                seq.block_ids = pool.table(cached, seq.num_prompt_tokens)
                 seq.num_computed_tokens = len(cached) * bs
-                pool.queried_tokens += seq.num_prompt_tokens
-                pool.hit_tokens += seq.num_computed_tokens
+                pool.count_lookup(seq.num_prompt_tokens, seq.num_computed_tokens)
                 inflight.update(seq.block_names[len(cached):])
             if budget <= 0:
                 later.append(r)

@@ -91,7 +91,8 @@ class Batch:
         self.h_text[rows] = [bool(s.params.stop) for s in seqs]
         for i, s in enumerate(seqs):
             if s.params.stop and s.stop_checker is None:
-                s.stop_checker = StopStringChecker(s.params.stop)
+                enders = self.tokenizer.stop_enders(s.params.stop, self.vocab_size)
+                s.stop_checker = StopStringChecker(s.params.stop, enders)
             self.row_of[id(s)] = n + i
         self.seqs = self.seqs + list(seqs)
         self._count_features(seqs, +1)
@@ -187,8 +188,9 @@ class Batch:
         finished = set(np.flatnonzero(host[1]).tolist())
         text = self.h_text[slots]
         if text.any():
-            finished |= stop_string_hits(self.tokenizer, [(i, seqs[i]) for i in np.flatnonzero(text).tolist()
-                                                          if self.h_steps[slots[i]] >= self.h_min[slots[i]]])
+            finished |= stop_string_hits(self.tokenizer, [
+                (i, seqs[i]) for i in np.flatnonzero(text).tolist()
+                if self.h_steps[slots[i]] >= self.h_min[slots[i]] and seqs[i].stop_checker.may_stop(new[i])])
         if not finished:
             return []
         done_seqs = [seqs[i] for i in sorted(finished)]

@@ -15,6 +15,7 @@ from engine.config import CPU_POOL_TOKENS, EngineConfig
 from engine.finish import finish_rows
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PagedKVCache
+from engine.memory import keep_cpu_buffers, profile_pool_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
@@ -58,6 +59,8 @@ class LLMEngine:
         if config is not None and overrides:
             raise TypeError("pass either an EngineConfig or keyword overrides, not both")
         self.runner = ModelRunner(self.config)
+        if self.runner.device.type == "cpu":
+            keep_cpu_buffers()
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
         self.continuous = self.config.scheduling == "continuous"
@@ -105,8 +108,6 @@ class LLMEngine:
     def _pool_blocks(self) -> int:
         tokens = self.config.max_batch_tokens
         if tokens is None and self.runner.device.type == "cuda":
-            from engine.memory import profile_pool_blocks
-
             return profile_pool_blocks(self)
         return max(1, (tokens or CPU_POOL_TOKENS) // self.block_size)  # the pool never exceeds the budget
 

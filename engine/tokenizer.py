@@ -1,6 +1,8 @@
 """Text <-> token ids, and stop-string matching on decoded text."""
 from __future__ import annotations
 
+import numpy as np
+
 
 class Tokenizer:
     """Wraps a Hugging Face tokenizer with what the engine needs."""
@@ -13,6 +15,8 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         pad = hf_tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (min(ids) if ids else 0)
+        self._pieces: list[str] | None = None
+        self._enders: dict[frozenset[str], np.ndarray] = {}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the special tokens the model expects (e.g. BOS)."""
@@ -56,6 +60,32 @@ class Tokenizer:
             return self.decode_batch(token_ids)  # the same text `decode` gives, so matches agree
         return backend.decode_batch(token_ids, skip_special_tokens=True)
 
+    def stop_enders(self, stops: list[str], vocab_size: int = 0) -> np.ndarray | None:
+        """Per token id: whether the token can be the one that completes one of `stops`, i.e.
+        its own text holds the last character of one of them, or is a piece of a multi-byte
+        character (decoded alone it gives U+FFFD). In context a token's text holds the same
+        characters, spaces aside (SentencePiece drops a leading one when a token stands alone),
+        so None (every token may) when a stop string ends in whitespace. Built once per set of
+        last characters, from one decode of every id alone, up to the model's `vocab_size` (ids
+        the tokenizer does not know decode to nothing; where decoding them fails, they may
+        always end one)."""
+        last = frozenset(stop[-1] for stop in stops)
+        if any(c.isspace() for c in last):
+            return None
+        if last not in self._enders:
+            if self._pieces is None:
+                self._pieces = self._decode_each(max(vocab_size, len(self.hf)))
+            self._enders[last] = np.fromiter(
+                (any(c in piece for c in last) or "\ufffd" in piece for piece in self._pieces),
+                dtype=bool, count=len(self._pieces))
+        return self._enders[last]
+
+    def _decode_each(self, n: int) -> list[str]:
+        try:
+            return self.decode_windows([[i] for i in range(n)])
+        except Exception:  # noqa: BLE001  a slow tokenizer that refuses ids past its vocabulary
+            return self.decode_windows([[i] for i in range(len(self.hf))])
+
 
 def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
     """Earliest (index, stop string) in text[start:], or None. Indexes are character offsets,
@@ -74,10 +104,18 @@ class StopStringChecker:
     character may take up to 4 byte-level tokens), plus the token before it. Since a request
     stops at its first stop string, any stop string inside the window is a new one."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], enders: np.ndarray | None = None):
         self.stops = stops
         self.window = 4 * max(len(s) for s in stops) + 1
         """Tokens to decode each step."""
+        self.enders = enders
+        """Tokenizer.stop_enders for these stops: a step whose token cannot complete one skips
+        the decode (None: every step decodes)."""
+
+    def may_stop(self, token: int) -> bool:
+        """Whether the row's newest token can complete a stop string (decode the window then)."""
+        e = self.enders
+        return e is None or token >= len(e) or bool(e[token])
 
     def found(self, window_text: str) -> bool:
         """Whether the decoded window holds a stop string."""

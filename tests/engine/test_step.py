@@ -132,6 +132,60 @@ def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_facto
     assert hits.index(True) == 5  # a, b, 3 bytes of the euro sign, then x
 
 
+def _trained_tokenizer(kind: str):
+    """A small BPE tokenizer trained here: byte-level (GPT-2 style) or SentencePiece-like."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer(models.BPE(byte_fallback=kind == "metaspace"))
+    if kind == "bytelevel":
+        rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        rust.pre_tokenizer = pre_tokenizers.Metaspace()
+        rust.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+        alphabet = []
+    corpus = ["the end. \u20ac5 Answer: yes!", "stop here; THE END\n\nnext \u2603 snow", "ab\u20acxy! done."] * 20
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
+                                  special_tokens=[f"<0x{b:02X}>" for b in range(256)] if kind == "metaspace" else [])
+    rust.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=rust)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytelevel", "metaspace"])
+def test_stop_string_checks_skip_only_tokens_that_cannot_complete_one(kind):
+    """A step decodes the window only when its token can complete a stop string: on random
+    token sequences, every token that completes one (the window ending at it holds a stop
+    string, the window before it none) is marked as a possible end."""
+    import random
+
+    from engine.builtin import byte_tokenizer
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(byte_tokenizer() if kind == "bytes" else _trained_tokenizer(kind))
+    vocab = len(tok.hf)
+    rng = random.Random(0)
+    for stops in (["\u20acx"], ["END", "!"], ["\u2603", ";"], ["\n\n"], ["x", ". "]):
+        enders = tok.stop_enders(stops, vocab + 3)
+        if any(s[-1].isspace() for s in stops):
+            assert enders is None
+            continue
+        assert enders is not None and len(enders) == vocab + 3 and 0 < enders.sum() < len(enders)
+        checker = StopStringChecker(stops, enders)
+        targets = [tok.hf(s, add_special_tokens=False)["input_ids"] for s in stops]
+        completed = 0
+        for _ in range(200):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))] + rng.choice(targets)
+            ids += [rng.randrange(vocab) for _ in range(3)]
+            windows = [ids[max(0, k + 1 - checker.window): k + 1] for k in range(len(ids))]
+            hits = [checker.found(t) for t in tok.decode_windows(windows)]
+            for k in range(len(ids)):
+                if hits[k] and not (k and hits[k - 1]):
+                    completed += 1
+                    assert checker.may_stop(ids[k]), (stops, ids[: k + 1])
+        assert completed >= 200
+
+
 @pytest.mark.parametrize("mode", SCHEDULING_MODES)
 def test_logprob_rows_and_plain_rows_in_one_batch(llm_factory, mode):
     """Rows with and without logprobs in one pass; prompts longer than the pass budget arrive in chunks."""

@@ -16,6 +16,8 @@ continuous: any waiting request is admitted whenever rows and blocks allow.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, chain_hashes
@@ -27,6 +29,13 @@ CUDA_BATCHED_TOKENS = 8192
 WATERMARK = 0.01
 """Share of the pool's blocks a new admission leaves free, so running rows can grow a while
 before anyone is preempted (vLLM keeps the same 1%)."""
+GROWTH_STEP = 0.25
+"""Each preemption makes admission hold back this much more of every running row's remaining
+max_tokens (Scheduler.growth, up to all of it): once rows are seen to outgrow the pool, new rows
+wait for room instead of being admitted only to be preempted and recomputed."""
+GROWTH_DECAY = 0.02
+"""...and each finished row lowers it by this much, so a job whose outputs stop early goes back to
+admitting rows for their prompts alone."""
 
 
 def batched_tokens(configured: int | None, on_cpu: bool) -> int:
@@ -93,6 +102,9 @@ class Scheduler:
         self.inflight: dict[bytes, Sequence] = {}
         """Names of prompt blocks an admitted row is computing: a row needing one waits for it."""
         self.preemptions = 0
+        self.growth = 0.0
+        """Share of their remaining max_tokens that admission reserves for running rows: 0 (rows
+        are admitted for prompt + next token) until the pool runs out; see GROWTH_STEP."""
         self._sorted = True
 
     # -- requests -----------------------------------------------------------------------------
@@ -152,6 +164,7 @@ class Scheduler:
         while need > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
+            self.growth = min(1.0, self.growth + GROWTH_STEP)
             out.preempted.append(victim)
             if victim is seq:
                 return False
@@ -164,6 +177,7 @@ class Scheduler:
         if queue is None:
             return
         watermark = int(WATERMARK * self.pool.num_blocks)
+        reserve = sum(self._growth_blocks(s, len(s.block_ids)) for s in self.running) if self.growth else 0
         i = 0
         while i < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = queue[i]
@@ -174,9 +188,11 @@ class Scheduler:
                 i += 1  # another row is computing this block right now: share it once it is done
                 continue
             need = self.pool.blocks_for(seq.num_tokens + 1) - len(cached)
-            free_after = self.pool.num_free - need - sum(self.pool.refs[b] == 0 for b in cached)
+            grows = self._growth_blocks(seq, self.pool.blocks_for(seq.num_tokens + 1)) if self.growth else 0
+            free_after = self.pool.num_free - need - sum(self.pool.refs[b] == 0 for b in cached) - reserve - grows
             if free_after < (watermark if self.running else 0):
                 break
+            reserve += grows
             del queue[i]
             seq.block_ids = self.pool.table(cached, seq.num_tokens + 1)
             seq.num_computed_tokens = len(cached) * self.pool.block_size
@@ -190,6 +206,12 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+
+    def _growth_blocks(self, seq: Sequence, held: int) -> int:
+        """Blocks beyond `held` that `seq` takes if it generates `growth` of its remaining max_tokens."""
+        left = seq.params.max_tokens - seq.num_output_tokens
+        target = min(seq.max_len, seq.num_tokens + 1 + math.ceil(self.growth * left))
+        return max(0, self.pool.blocks_for(target) - held)
 
     def _queue(self) -> list[Sequence] | None:
         """The requests that may be admitted now, in order (a list to take them from)."""
@@ -247,6 +269,8 @@ class Scheduler:
         """Finished rows leave: their blocks go back to the pool (named ones stay cached)."""
         for seq in seqs:
             self._leave(seq)
+        if self.growth and seqs:
+            self.growth = max(0.0, self.growth - GROWTH_DECAY * len(seqs))
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running row's blocks and queues it first, to be recomputed from its tokens."""

@@ -137,3 +137,45 @@ def test_rows_sharing_an_uncomputed_prefix_wait_for_the_first_to_compute_it():
     first = plan.chunks[0].seq
     assert all(r.block_ids[:4] == first.block_ids[:4] for r in others)
     assert all(s.pool.refs[b] == 3 for b in first.block_ids[:4])
+
+
+def test_after_a_preemption_admission_holds_room_for_running_rows_to_grow():
+    """Rows that outgrow the pool make the scheduler reserve part of every running row's
+    remaining max_tokens before admitting another (instead of admitting it only to preempt and
+    recompute it), and finished rows bring admission back to prompts alone."""
+    s = scheduler(blocks=10)
+    for i in range(3):
+        s.add(seq(i, 4, max_tokens=12))  # each needs 4 blocks at the end: 12 in all, 2 now
+    for _ in range(20):
+        plan = s.schedule()
+        run(s, plan)
+        if plan.preempted:
+            break
+    assert s.preemptions == 1 and s.growth > 0
+    s.add(seq(9, 4, max_tokens=12))
+    waited = 0
+    for _ in range(40):
+        plan = s.schedule()
+        if any(q.index == 9 for q in plan.admitted):
+            break
+        waited += 1
+        run(s, plan)
+    assert waited > 0, "the new row waited for room"
+    held = s.growth
+    for _ in range(100):
+        if not s.has_work():
+            break
+        run(s, s.schedule())
+    assert not s.has_work() and s.growth < held
+    assert s.preemptions == 1, "no row admitted after the first preemption was preempted"
+
+
+def test_admission_reserves_the_share_of_running_rows_remaining_max_tokens_that_growth_says():
+    s = scheduler(blocks=10)
+    s.add(seq(0, 4, max_tokens=20))  # 2 blocks now, 6 at most
+    run(s, s.schedule())
+    s.growth = 1.0  # as after preemptions: row 0 may take 4 more blocks
+    s.add(seq(1, 16, max_tokens=4))  # 5 blocks now and at most: 5 + 4 > the 8 free
+    assert not s.schedule().admitted
+    s.growth = 0.5  # row 0 keeps ceil(0.5 * 19) tokens of room: 2 more blocks
+    assert [q.index for q in s.schedule().admitted] == [1]

@@ -20,6 +20,8 @@ if not CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import attention  # noqa: E402
 from engine.attention import chunk_attention, reference_token_attention  # noqa: E402
 from engine.kernels import triton_attention as ta  # noqa: E402
 
@@ -177,6 +179,33 @@ def test_split_count_fills_the_device_only_when_rows_are_few():
     assert ta.num_splits(4, 8, 4096, 132) == 9  # 32 programs: 9 segments of ~455 positions
     assert ta.num_splits(1, 1, 100_000, 132) == ta.MAX_SPLITS
     assert ta.num_splits(2, 8, 300, 132) == 1  # too short to be worth a second kernel
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the engine takes the Triton path by itself (tests/engine/test_gpu.py)")
+def test_the_engine_through_the_kernels_gives_the_torch_paths_tokens(tiny_model_dir, monkeypatch):
+    """The dispatch of engine.attention, run on CPU with the kernels standing in for CUDA's: a
+    GQA model with soft-capping and sliding-window layers (Gemma 2), long prompts cut into
+    chunks (the later ones after a cached prefix), short prompts through the per-token path,
+    and decode, mixed in passes."""
+    prompts = [[3 + i % 200 for i in range(70)], [9 + i % 100 for i in range(40)], list(range(20, 30))]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_model_dir("gemma2")), device="cpu", max_batch_tokens=512,
+                          max_num_seqs=4, max_num_batched_tokens=48, scheduling="continuous")
+    monkeypatch.setattr(attention, "_KERNEL", [None])  # the torch reference, not the C++ kernel (built on use)
+    want = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
+    calls = {"paged_decode": 0, "chunk_attention": 0}
+
+    def counted(name):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return getattr(ta, name)(*args, **kwargs)
+        return run
+
+    kernels = type("Kernels", (), {name: staticmethod(counted(name)) for name in calls})
+    monkeypatch.setattr(attention, "_triton_kernels", lambda q: kernels)
+    got = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
+    assert got == want
+    assert calls["paged_decode"] and calls["chunk_attention"], calls
 
 
 @pytest.mark.gpu

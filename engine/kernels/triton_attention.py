@@ -27,24 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
-# Block sizes. Every tl.dot operand dimension is at least 16 (the GPU's MMA tile); head dims
-# that are not a power of two (80, 96) are padded up and masked.
-DECODE_BLOCK_N = 64
-"""Key positions per decode tile: 64 x 128 bf16 = 16 KiB per operand, 4 warps (H100/H200)."""
+# Tiles. Every tl.dot operand dimension is at least 16 (the GPU's MMA tile); head dims that
+# are not a power of two (80, 96) are padded up and masked. The sizes are the largest for which
+# ptxas reports no register spills on sm_90 (H100/H200) in bf16 at head dims 64, 128 and 256 with
+# triton 3.9 (4 warps, or a 128 x 64 prefill tile, spilled); scripts/compile_kernels.py prints
+# them (prefill at head dim 96 and in fp32 at 128 still spills a little). Not yet timed on a GPU.
+DECODE_TILES = {128: (64, 8), 256: (32, 8)}
+"""Padded head dim up to -> (key positions per decode tile, warps)."""
 DECODE_MIN_HEADS = 16
 """A decode tile's query-head rows: the GQA group padded up to this (tl.dot's smallest M)."""
-DECODE_WARPS = 4
 SPLIT_MIN_TOKENS = 256
 """A KV segment of flash-decoding covers at least this many positions of the longest row."""
 MAX_SPLITS = 16
 SPLIT_WAVES = 2
 """Split until tokens x KV heads x segments reach this many programs per SM."""
-CHUNK_BLOCK_M = 64
-"""Query tokens per prefill tile (64 x 128 bf16 Q, K and V tiles fit twice in shared memory)."""
-CHUNK_BLOCK_N = 64
-"""Key positions per prefill tile; halved for head dims above 128 to fit shared memory."""
-CHUNK_WARPS = 4
-CHUNK_STAGES = 2
+CHUNK_TILES = {128: (64, 64, 8), 256: (32, 32, 8)}
+"""Padded head dim up to -> (query tokens, key positions per prefill tile, warps)."""
+STAGES = 2
+"""Software-pipelining stages of both kernels' key/value loads."""
 
 
 @triton.jit
@@ -235,13 +235,49 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _tiles(table: dict, d: int) -> tuple:
+    return next((tiles for most, tiles in sorted(table.items()) if _block_d(d) <= most), table[max(table)])
+
+
+def decode_warps(d: int) -> int:
+    return _tiles(DECODE_TILES, d)[1]
+
+
+def chunk_warps(d: int) -> int:
+    return _tiles(CHUNK_TILES, d)[2]
+
+
+def decode_constants(dtype: torch.dtype, groups: int, d: int, block_size: int, split: bool, window: int,
+                     softcap: float, block_n: int | None = None) -> dict:
+    """The decode kernel's compile-time arguments (one compiled variant per distinct dict)."""
+    block_n = block_n or _tiles(DECODE_TILES, d)[0]
+    return dict(G=groups, D=d, BS=block_size, BLOCK_H=max(DECODE_MIN_HEADS, triton.next_power_of_2(groups)),
+                BLOCK_D=_block_d(d), BLOCK_N=block_n, SOFTCAP=bool(softcap), WINDOW=bool(window), SPLIT=split,
+                PRECISION=_precision(dtype), UPCAST=INTERPRETED)
+
+
+def chunk_constants(dtype: torch.dtype, groups: int, d: int, block_size: int, window: int, softcap: float,
+                    block_m: int | None = None, block_n: int | None = None) -> dict:
+    """The chunk kernel's compile-time arguments."""
+    tile_m, tile_n, _ = _tiles(CHUNK_TILES, d)
+    if dtype == torch.float32:
+        tile_m //= 2  # operands of twice the bytes (fp32 parity runs, not the fast path)
+    block_m, block_n = block_m or tile_m, block_n or tile_n
+    return dict(G=groups, D=d, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
+                SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=_precision(dtype), UPCAST=INTERPRETED)
+
+
 def _strides(k_pool, v_pool):
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     return (*k_pool.stride()[:3], *v_pool.stride()[:3])
 
 
 def paged_decode(q, k_pool, v_pool, block_tables, token_row, ctx, max_ctx: int, scale: float, window: int = 0,
-                 softcap: float = 0.0, *, splits: int | None = None, block_n: int = DECODE_BLOCK_N):
+                 softcap: float = 0.0, *, splits: int | None = None, block_n: int | None = None):
     """q (T, H, D); pools (num_blocks, Hkv, block_size, D); block_tables (R, max_blocks) int32;
     token_row, ctx (T,) int32 -> (T, H, D): token t over positions [ctx - window, ctx) of its row
     (`reference_token_attention`'s contract). `splits` None: chosen for the device."""
@@ -255,7 +291,6 @@ def paged_decode(q, k_pool, v_pool, block_tables, token_row, ctx, max_ctx: int, 
         return out
     if splits is None:
         splits = num_splits(t, hkv, max_ctx, sm_count(q.device))
-    block_d = max(16, triton.next_power_of_2(d))
     if splits > 1:
         part_o = torch.empty((t, h, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)
@@ -265,17 +300,16 @@ def paged_decode(q, k_pool, v_pool, block_tables, token_row, ctx, max_ctx: int, 
         q, k_pool, v_pool, block_tables, token_row, ctx, out, part_o, part_lse,
         q.stride(0), q.stride(1), *_strides(k_pool, v_pool), block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(window), splits, h,
-        G=g, D=d, BS=bs, BLOCK_H=max(DECODE_MIN_HEADS, triton.next_power_of_2(g)), BLOCK_D=block_d,
-        BLOCK_N=block_n, SOFTCAP=bool(softcap), WINDOW=bool(window), SPLIT=splits > 1,
-        PRECISION=_precision(q.dtype), UPCAST=INTERPRETED, num_warps=DECODE_WARPS)
+        **decode_constants(q.dtype, g, d, bs, splits > 1, window, softcap, block_n), num_warps=decode_warps(d),
+        num_stages=STAGES)
     if splits > 1:
         _merge_kernel[(t, h)](part_o, part_lse, out, out.stride(0), out.stride(1), splits, h,
-                              D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+                              D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=_block_d(d))
     return out
 
 
 def chunk_attention(q, k_pool, v_pool, block_tables, spans, max_count: int, out, scale: float, window: int = 0,
-                    softcap: float = 0.0, *, block_m: int = CHUNK_BLOCK_M, block_n: int | None = None):
+                    softcap: float = 0.0, *, block_m: int | None = None, block_n: int | None = None):
     """Writes out[first:end] for every chunk. q, out (T, H, D); spans (C, 4) int32 on q's device:
     (first token, end token, row, position of the first token) per chunk (`PassMetadata.chunks`);
     max_count: the longest chunk's tokens. A chunk's tokens attend to positions
@@ -287,13 +321,10 @@ def chunk_attention(q, k_pool, v_pool, block_tables, spans, max_count: int, out,
     hkv, bs = k_pool.shape[1], k_pool.shape[2]
     if not spans.shape[0] or not max_count:
         return out
-    block_d = max(16, triton.next_power_of_2(d))
-    if block_n is None:
-        block_n = CHUNK_BLOCK_N if block_d <= 128 else CHUNK_BLOCK_N // 2
-    _chunk_kernel[(triton.cdiv(max_count, block_m), spans.shape[0], h)](
+    constants = chunk_constants(q.dtype, h // hkv, d, bs, window, softcap, block_m, block_n)
+    _chunk_kernel[(triton.cdiv(max_count, constants["BLOCK_M"]), spans.shape[0], h)](
         q, k_pool, v_pool, block_tables, spans, out,
         q.stride(0), q.stride(1), *_strides(k_pool, v_pool), block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(window),
-        G=h // hkv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap),
-        WINDOW=bool(window), PRECISION=_precision(q.dtype), UPCAST=INTERPRETED, num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES)
+        float(scale), float(softcap or 1.0), int(window), **constants, num_warps=chunk_warps(d),
+        num_stages=STAGES)
     return out

@@ -202,17 +202,20 @@ def test_the_engine_through_the_kernels_gives_the_torch_paths_tokens(tiny_model_
     GQA model with soft-capping and sliding-window layers (Gemma 2), long prompts cut into
     chunks (the later ones after a cached prefix), short prompts through the per-token path,
     and decode, mixed in passes."""
-    prompts = [[3 + i % 200 for i in range(70)], [9 + i % 100 for i in range(40)], list(range(20, 30))]
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i % 200 for i in range(96)], [9 + i % 100 for i in range(40)], list(range(20, 26))]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     config = EngineConfig(model=str(tiny_model_dir("gemma2")), device="cpu", max_batch_tokens=512,
-                          max_num_seqs=4, max_num_batched_tokens=48, scheduling="continuous")
+                          max_num_seqs=4, max_num_batched_tokens=64, scheduling="continuous")
     monkeypatch.setattr(attention, "_KERNEL", [None])  # the torch reference, not the C++ kernel (built on use)
     want = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
     calls = {"paged_decode": 0, "chunk_attention": 0}
+    chunk_starts = set()
 
     def counted(name):
         def run(*args, **kwargs):
             calls[name] += 1
+            if name == "chunk_attention":
+                chunk_starts.update(args[4][:, 3].tolist())  # spans: the position each chunk starts at
             return getattr(ta, name)(*args, **kwargs)
         return run
 
@@ -221,6 +224,7 @@ def test_the_engine_through_the_kernels_gives_the_torch_paths_tokens(tiny_model_
     got = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
     assert got == want
     assert calls["paged_decode"] and calls["chunk_attention"], calls
+    assert max(chunk_starts) > 0, "no chunk followed a cached prefix"
 
 
 @pytest.mark.gpu

@@ -13,6 +13,10 @@ keys and values at its slot before attention runs, so every query token attends 
 - a long prefill chunk gathers its row's blocks once and runs SDPA (causal within the chunk,
   all earlier positions of the row; GQA without repeating K/V).
 
+On CUDA, with triton importable, both go through Triton kernels instead
+(`engine.kernels.triton_attention`: split-KV decode, and all long chunks of a pass in one
+causal launch), reading the blocks in place; BATCHINFER_TRITON=0 keeps the torch paths.
+
 Logit soft-capping (Gemma 2) is applied in both paths.
 """
 from __future__ import annotations
@@ -51,6 +55,8 @@ class PassMetadata:
     """Indices of the tokens the per-token path computes; None = all of them."""
     chunks: list[tuple[int, int, int, int]]
     """(first token, last token + 1, row, position of the first token) of each long chunk."""
+    chunk_spans: torch.Tensor | None = None
+    """(C, 4) int32: `chunks` on the device, made by the Triton path once per pass."""
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -72,6 +78,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         sub = PassMetadata(meta.slot_mapping, meta.block_tables, meta.token_row[meta.small], meta.ctx[meta.small],
                            meta.max_ctx, None, [])
         out[meta.small] = token_attention(q[meta.small], layer.keys, layer.values, sub, scale, window, cap)
+    fast = _triton_kernels(q)
+    if fast is not None and meta.chunks:
+        if meta.chunk_spans is None:
+            meta.chunk_spans = torch.tensor(meta.chunks, dtype=torch.int32, device=q.device)
+        fast.chunk_attention(q, layer.keys, layer.values, meta.block_tables, meta.chunk_spans,
+                             max(t1 - t0 for t0, t1, _, _ in meta.chunks), out, scale, window, cap)
+        return out[None], None
     for t0, t1, row, start in meta.chunks:
         out[t0:t1] = chunk_attention(q[t0:t1], layer.keys, layer.values, meta.block_tables[row], start,
                                      scale, window, cap)
@@ -80,6 +93,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 def token_attention(q, k_pool, v_pool, meta: PassMetadata, scale: float, window: int, softcap: float):
     """q (T, H, D) -> (T, H, D): token t over positions [ctx - window, ctx) of its row."""
+    fast = _triton_kernels(q)
+    if fast is not None:
+        return fast.paged_decode(q, k_pool, v_pool, meta.block_tables, meta.token_row, meta.ctx, meta.max_ctx,
+                                 scale, window, softcap)
     kernel = _cpu_kernel() if q.device.type == "cpu" and q.dtype == k_pool.dtype == torch.float32 else None
     if kernel is not None:
         return kernel.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.token_row, meta.ctx,
@@ -142,7 +159,26 @@ def chunk_attention(q, k_pool, v_pool, blocks, start: int, scale: float, window:
     return out.transpose(0, 1)  # (S, H, D)
 
 
-# -- the CPU kernel -------------------------------------------------------------------------
+# -- the kernels -----------------------------------------------------------------------------
+
+_TRITON: list = []  # [module or None] once tried
+
+
+def _triton_kernels(q: torch.Tensor):
+    """engine.kernels.triton_attention for CUDA tensors; None on CPU, without triton, or with
+    BATCHINFER_TRITON=0 (triton is imported only here, so CPU installs never need it)."""
+    if q.device.type != "cuda":
+        return None
+    if not _TRITON:
+        module = None
+        if os.environ.get("BATCHINFER_TRITON", "1") != "0":
+            try:
+                from engine.kernels import triton_attention as module
+            except ImportError as exc:
+                log.warning("triton unavailable (%s); CUDA attention uses the torch paths (slower)", exc)
+        _TRITON.append(module)
+    return _TRITON[0]
+
 
 _KERNEL: list = []  # [module or None] once tried
 

@@ -111,6 +111,13 @@ def test_fp8_off_cuda_and_unknown_methods_are_one_line_errors():
         EngineConfig(quantization="int4")
 
 
+def test_an_fp8_kv_pool_off_cuda_is_a_one_line_error_naming_the_device():
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs a CUDA device of compute capability >= 8.9, "
+                                         "not cpu$") as err:
+        LLMEngine(EngineConfig(model="builtin:tiny", device="cpu", kv_cache_dtype="fp8"))
+    assert "\n" not in str(err.value)
+
+
 def compressed_int8_checkpoint(src, out):
     """A compressed-tensors W8A8 int8 checkpoint of the model in `src`: int8 weights with one
     scale per output channel, dynamic per-token int8 activations, the LM head left as it is."""

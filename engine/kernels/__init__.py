@@ -1,0 +1,1 @@
+"""Attention kernels: a C++ one for CPU (built on first use) and Triton ones for CUDA."""

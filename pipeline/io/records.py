@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from pipeline.spec import SAMPLE_INDEX
-
 if TYPE_CHECKING:
     from pipeline.spec import WorkersSpec
 
@@ -43,7 +41,8 @@ class Counts:
     skipped: int = 0
     """Malformed lines left out (input.on_bad_line: skip)."""
     prompt_tokens: int = 0
-    """Prompt tokens over the rows (a prompt's samples share it: counted once)."""
+    """Prompt tokens over the rows (with n > 1 samples, every sample row's: each reads the prompt, whose
+    shared blocks count as prefix-cache hits)."""
     generated_tokens: int = 0
     """Generated tokens over the rows."""
     cached_prompt_tokens: int = 0
@@ -123,10 +122,7 @@ class CommitRecord(Counts):
             return _counted_openai(table)
         d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
         errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
-        prompt = d["num_prompt_tokens"]
-        if SAMPLE_INDEX in table.column_names:  # the samples of a row share its prompt: counted once
-            prompt = [p for p, j in zip(prompt, table.column(SAMPLE_INDEX).to_pylist()) if j == 0]
-        return cls(rows=table.num_rows, errors=len(errors), prompt_tokens=int(sum(prompt)),
+        return cls(rows=table.num_rows, errors=len(errors), prompt_tokens=int(sum(d["num_prompt_tokens"])),
                    generated_tokens=int(sum(d["num_generated_tokens"])), error_samples=errors[:3])
 
 

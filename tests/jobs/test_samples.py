@@ -72,6 +72,7 @@ def test_three_rows_per_id_after_a_crash_and_resume_with_pass_at_k(tmp_path, mon
             for i in prompts} == samples
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["rows"] == 18 and manifest["generated_tokens"] == 18 * TOKENS
+    assert manifest["prompt_tokens"] == sum(r["num_prompt_tokens"] for r in out)  # per sample row
 
     # pass@k and maj@n from the committed rows, computed here
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())

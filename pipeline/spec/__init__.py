@@ -8,5 +8,5 @@ from pipeline.spec.schema import (ADDED_FIELDS, EvalSpec, InputSpec, JobSpec, La
                                   field_reference, validate)
 
 __all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX", "SCORE_PREFIX", "EvalSpec",
-           "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec", "SpecError", "WorkersSpec", "check_metric_names", "check_metrics",
-           "field_reference", "output_columns", "score_column", "validate"]
+           "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec", "SpecError", "WorkersSpec", "check_metric_names",
+           "check_metrics", "field_reference", "output_columns", "score_column", "validate"]

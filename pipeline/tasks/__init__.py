@@ -11,7 +11,7 @@ from pipeline.tasks.table import COLUMN_TYPES, column_type, output_table
 from pipeline.tasks.task_runner import NO_MATCH, TaskRunner, row_seed
 
 __all__ = ["COLUMN_TYPES", "NO_MATCH", "BatchRequest", "Choice", "Normalizer", "PromptBuilder", "RowResult",
-           "TaskRunner", "TemplateError", "TokenLogprob", "build_engine", "cached_tokens", "check_prompt", "column_type",
-           "empty_device_cache", "error_line", "extract_answer", "group_key", "is_out_of_memory", "normalize",
-           "output_lines", "output_table", "parse_messages", "parse_request", "parse_template", "request_for",
-           "response_line", "row_seed", "score_columns", "score_row", "start_engine"]
+           "TaskRunner", "TemplateError", "TokenLogprob", "build_engine", "cached_tokens", "check_prompt",
+           "column_type", "empty_device_cache", "error_line", "extract_answer", "group_key", "is_out_of_memory",
+           "normalize", "output_lines", "output_table", "parse_messages", "parse_request", "parse_template",
+           "request_for", "response_line", "row_seed", "score_columns", "score_row", "start_engine"]

@@ -114,9 +114,10 @@ def summary_table(result) -> str:
             ("generated tokens", str(result.generated_tokens)),
             ("wall time", f"{result.seconds:.1f}s ({result.generate_seconds:.1f}s generating)"),
             ("tokens/s", f"{run.get('generated_tokens_per_second', 0.0):.1f} (this run)")]
-    for name, m in result.manifest.get("metrics", {}).items():
+    for name, m in result.manifest.get("metrics", {}).items():  # pass@k and maj@n: "<metric> pass@k"
         if m["mean"] is not None:
-            rows.append((name, f"{m['mean']:.4f} (95% CI {m['ci95'][0]:.4f}-{m['ci95'][1]:.4f}, n={m['count']})"))
+            ci = f"95% CI {m['ci95'][0]:.4f}-{m['ci95'][1]:.4f}, " if m["ci95"] else ""
+            rows.append((name, f"{m['mean']:.4f} ({ci}n={m['count']})"))
     batch = result.manifest.get("openai_batch")
     if batch:
         counts = batch["request_counts"]

@@ -35,13 +35,14 @@ class Counts:
     """The counts kept per shard and summed per run and per job."""
 
     rows: int = 0
-    """Output rows."""
+    """Output rows (with sampling.n > 1, one per sample; OpenAI Batch output: one per line)."""
     errors: int = 0
     """Rows with finish_reason "error"."""
     skipped: int = 0
     """Malformed lines left out (input.on_bad_line: skip)."""
     prompt_tokens: int = 0
-    """Prompt tokens over the rows."""
+    """Prompt tokens over the rows (with n > 1 samples, every sample row's: each reads the prompt, whose
+    shared blocks count as prefix-cache hits)."""
     generated_tokens: int = 0
     """Generated tokens over the rows."""
     cached_prompt_tokens: int = 0

@@ -9,6 +9,7 @@ from engine import __version__
 from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact
 from pipeline.run.metrics import write_metrics
 from pipeline.run.openai_files import write_batch_files
+from pipeline.run.sample_metrics import SampleMetrics
 from pipeline.run.report import PartTotals, usage
 from pipeline.spec import Job, JobSpec
 
@@ -19,8 +20,12 @@ def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
     Returns what the manifest says about them."""
     extra = {}
     if spec.task == "eval":
-        extra["metrics"] = write_metrics(out, entries(out, {"index": index}), spec.eval.metrics,
-                                         spec.eval.group_column)
+        ev, samples = spec.eval, None
+        if spec.sampling.n > 1:
+            samples = SampleMetrics(ev.metrics, spec.sampling.n, ev.k, reference_column=ev.reference_column,
+                                    group_column=ev.group_column, normalize=ev.normalize.model_dump(),
+                                    answer_regex=ev.answer_regex)
+        extra["metrics"] = write_metrics(out, entries(out, {"index": index}), ev.metrics, ev.group_column, samples)
     if out.format == "openai_batch":
         extra["openai_batch"] = write_batch_files(out, entries(out, {"index": index}))
     return extra

@@ -23,6 +23,7 @@ from pipeline.tasks import group_key
 
 if TYPE_CHECKING:
     from pipeline.io import OutputDir
+    from pipeline.run.sample_metrics import SampleMetrics
 
 WILSON_Z = 1.959963984540054
 """The standard normal quantile for a two-sided 95% interval."""
@@ -75,10 +76,12 @@ class MetricsAccumulator:
     accumulators that saw disjoint sets of tables.
     """
 
-    def __init__(self, metrics: Sequence[str], group_column: str | None = None):
+    def __init__(self, metrics: Sequence[str], group_column: str | None = None, samples: SampleMetrics | None = None):
+        """`samples`: with n > 1 samples per input row, their pass@k and maj@n accumulator."""
         check_metric_names(metrics)
         self.metrics = list(metrics)
         self.group_column = group_column
+        self.samples = samples
         self.rows = 0
         self.tallies = {m: _Tally() for m in self.metrics}
         self.group_rows: dict[str, int] = {}
@@ -88,6 +91,8 @@ class MetricsAccumulator:
         """Adds the rows of one table (e.g. one committed part)."""
         scores = {m: self._score_array(table, m) for m in self.metrics}
         groups = self._group_counts(table, scores) if self.group_column is not None else []
+        if self.samples is not None:
+            self.samples.add(table)
         # everything is checked above, so a bad table leaves the counts untouched
         self.rows += table.num_rows
         for m, col in scores.items():
@@ -105,6 +110,8 @@ class MetricsAccumulator:
         if other.metrics != self.metrics or other.group_column != self.group_column:
             raise ValueError("cannot merge accumulators with different metrics or group columns")
         self.rows += other.rows
+        if self.samples is not None:
+            self.samples.merge(other.samples)
         for m, t in other.tallies.items():
             self.tallies[m].add(t.count, t.sum, t.unscored)
         for key, n in other.group_rows.items():
@@ -119,10 +126,20 @@ class MetricsAccumulator:
         groups = {key: {"rows": self.group_rows[key],
                         "metrics": {m: t.result() for m, t in self.group_tallies[key].items()}}
                   for key in sorted(self.group_rows)}
-        return {"rows": self.rows,
-                "metrics": {m: t.result() for m, t in self.tallies.items()},
-                "group_column": self.group_column,
-                "groups": groups}
+        result = {"rows": self.rows,
+                  "metrics": {m: t.result() for m, t in self.tallies.items()},
+                  "group_column": self.group_column,
+                  "groups": groups}
+        if self.samples is not None:  # n > 1: input rows, and each metric's pass@k and maj@n beside it
+            sampled = self.samples.result()
+            result["samples"], result["inputs"] = self.samples.n, sampled["inputs"]
+            for m, extra in sampled["metrics"].items():
+                result["metrics"][m].update(extra)
+            for key, group in sampled["groups"].items():
+                groups[key]["inputs"] = group["inputs"]
+                for m, extra in group["metrics"].items():
+                    groups[key]["metrics"][m].update(extra)
+        return result
 
     def _score_array(self, table: pa.Table, metric: str) -> pa.ChunkedArray:
         name = score_column(metric)
@@ -159,21 +176,28 @@ class MetricsAccumulator:
             self.group_tallies[key] = {m: _Tally() for m in self.metrics}
 
 
-def compute_metrics(tables: Iterable[pa.Table], metrics: Sequence[str], group_column: str | None = None) -> dict:
-    """metrics.json content over `tables`, read one at a time."""
-    acc = MetricsAccumulator(metrics, group_column)
+def compute_metrics(tables: Iterable[pa.Table], metrics: Sequence[str], group_column: str | None = None,
+                    samples: SampleMetrics | None = None) -> dict:
+    """metrics.json content over `tables`, read one at a time (`samples`: pass@k and maj@n)."""
+    acc = MetricsAccumulator(metrics, group_column, samples)
     for table in tables:
         acc.add(table)
     return acc.result()
 
 
-def write_metrics(out: OutputDir, parts: Iterable[dict], metrics: Sequence[str], group_column: str | None) -> dict:
+def write_metrics(out: OutputDir, parts: Iterable[dict], metrics: Sequence[str], group_column: str | None,
+                  samples: SampleMetrics | None = None) -> dict:
     """metrics.json of a complete job, over its committed parts (index entries). Returns what the
-    manifest says of it: mean, count and ci95 per metric."""
+    manifest says of it: mean, count and ci95 per metric, and per "<metric> pass@k" / "maj@n"."""
     # an empty shard's part has no score columns to read
-    result = compute_metrics((out.read_part(p["shard"]) for p in parts if p["rows"]), metrics, group_column)
+    result = compute_metrics((out.read_part(p["shard"]) for p in parts if p["rows"]), metrics, group_column, samples)
     out.write_json("metrics.json", result)
-    return {name: {k: m[k] for k in ("mean", "count", "ci95")} for name, m in result["metrics"].items()}
+    summary = {}
+    for name, m in result["metrics"].items():
+        summary[name] = {k: m[k] for k in ("mean", "count", "ci95")}
+        for extra in (key for key in m if "@" in key):
+            summary[f"{name} {extra}"] = {k: m[extra][k] for k in ("mean", "count", "ci95")}
+    return summary
 
 
 def _sum(col: pa.ChunkedArray) -> float:

@@ -97,10 +97,11 @@ class ShardWorker(EngineActor):
         cached_before = cached_tokens(self.engine)
         results, budgets = self._run_tasks(rows, ids, errors)
         engine = time.perf_counter()
-        table = output_table(self.spec, rows, ids, results)
-        counts = CommitRecord.counted(table)
-        if self.output.format == "openai_batch":
+        if self.output.format == "openai_batch":  # one line per request, with its n choices
             table = self._openai_lines(rows, ids, results)
+        else:
+            table = output_table(self.spec, rows, ids, results)
+        counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
                          cached_prompt_tokens=cached_tokens(self.engine) - cached_before,
                          read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,

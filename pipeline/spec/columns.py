@@ -21,6 +21,9 @@ LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_t
 METRICS = ("exact_match", "contains", "regex_match", "accuracy")
 """Metric names a spec may list under eval.metrics."""
 
+SAMPLE_INDEX = "sample_index"
+"""With sampling.n > 1, each input row gives n output rows, told apart by this column (0 .. n-1)."""
+
 SCORE_PREFIX = "score_"
 """Per-row score columns are named SCORE_PREFIX + metric, e.g. score_exact_match."""
 
@@ -32,7 +35,7 @@ def score_column(metric: str) -> str:
 
 def output_columns(spec: JobSpec) -> list[str]:
     """Columns the job adds for `spec`'s task (an input column of the same name is replaced)."""
-    names = list(BASE_COLUMNS)
+    names = ([SAMPLE_INDEX] if spec.sampling.n > 1 else []) + list(BASE_COLUMNS)
     label = spec.label
     if spec.task in ("label", "eval"):
         if label.choices or label.choices_column:

@@ -53,9 +53,9 @@ def _from_dataclass(name: str, cls, skip: tuple[str, ...]) -> type[BaseModel]:
 
 
 EngineSpec = _from_dataclass("EngineSpec", EngineConfig, skip=("model", "seed", "extra"))
-SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=("n", "structured_outputs"))
-# n and structured_outputs are engine features the job does not expose yet (one output row per
-# request, no spec-side schema type): a spec naming them is refused as an unknown key.
+SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=("structured_outputs",))
+# structured_outputs is an engine feature the job does not expose yet (no spec-side schema type):
+# a spec naming it is refused as an unknown key. n > 1 writes one output row per sample.
 
 
 class FewShotSpec(_Section):
@@ -131,6 +131,9 @@ class EvalSpec(_Section):
                                      description="How texts are normalised before comparing.")
     answer_regex: str | None = Field(
         None, description="regex_match: the answer is this regex's first group (or whole match) in the output.")
+    k: list[int] | None = Field(
+        None, description="sampling.n > 1: metrics.json gives pass@k for each k (each <= n) and maj@n per metric; "
+        "None = [1, n].")
 
 
 class ReportSpec(_Section):
@@ -201,6 +204,8 @@ class JobSpec(_Section):
             data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
         # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
         defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
+        for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
+            values["eval"].pop("k")
         for path in ADDED_FIELDS:
             *parents, leaf = path
             node, default = data, defaults
@@ -214,7 +219,8 @@ class JobSpec(_Section):
 ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
                 ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
-                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"))
+                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
+                ("sampling", "n"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""
@@ -236,6 +242,7 @@ def check_task(spec: JobSpec) -> None:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"{name}: invalid regex: {exc}") from None
+    check_samples(spec)
     if spec.task == "label" and not labels:
         raise ValueError("task label needs label.choices, label.choices_column or label.label_regex")
     if spec.task == "eval":
@@ -266,6 +273,23 @@ def check_task(spec: JobSpec) -> None:
         inp.id_column = "custom_id"  # a duplicate custom_id is then fatal, like any duplicate id
     if spec.output.format == "openai_batch" and spec.task != "generate":
         raise ValueError(f"output.format openai_batch holds completions only: task {spec.task} needs parquet or jsonl")
+
+
+def check_samples(spec: JobSpec) -> None:
+    """sampling.n's rules: choice scoring draws no samples, and each eval.k is a number of samples."""
+    n, label = spec.sampling.n, spec.label
+    if n > 1 and spec.task in ("label", "eval") and (label.choices or label.choices_column):
+        raise ValueError("sampling.n: choice scoring (label.choices, label.choices_column) picks one label per row "
+                         "without sampling; drop sampling.n, or generate labels with label.label_regex")
+    ks = spec.eval.k
+    if ks is not None:
+        if not ks:
+            raise ValueError("eval.k: give at least one k, or leave it unset for [1, n]")
+        bad = [k for k in ks if isinstance(k, bool) or not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"eval.k: each k must be in [1, sampling.n={n}], got {bad[0]}")
+        if len(set(ks)) != len(ks):
+            raise ValueError(f"eval.k lists a k twice: {ks}")
 
 
 def validate(data: dict) -> JobSpec:

@@ -7,8 +7,9 @@ per-row error. Nothing here raises on bad input: a bad line is a row error, and 
 
 Body fields, by what happens to them:
     mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
-                stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat)
-    checked     n (only 1), stream (only false), model (a string; reported in the response only)
+                stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat),
+                n (1 .. engine.sampling_params.MAX_N: one line with n choices)
+    checked     stream (only false), model (a string; reported in the response only)
     ignored     user, and for chat metadata and store: they describe the request, not how to
                 generate it
     unknown     anything else (logit_bias, tools, response_format, ...): listed in
@@ -23,6 +24,8 @@ written by pipeline.run.openai_files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.sampling_params import MAX_N
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -200,9 +203,7 @@ def _parse_sampling(body: dict, chat: bool) -> dict:
     _put(sampling, "frequency_penalty", _optional(body, "frequency_penalty", _check_number, -2.0, 2.0))
     _put(sampling, "seed", _optional(body, "seed", _check_int, 0))
     _put(sampling, "stop", _optional(body, "stop", _check_stop))
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
-        raise _RowError(f"body.n must be 1 (one completion per request), got {n!r}")
+    _put(sampling, "n", _optional(body, "n", _check_int, 1, MAX_N))
     if body.get("stream") is not None and body["stream"] is not False:
         raise _RowError(f"body.stream must be false, got {body['stream']!r}")
     _put(sampling, "logprobs", _parse_logprobs(body, chat))

@@ -31,36 +31,52 @@ class TokenLogprob:
     """(token text, logprob) of the most likely tokens, most likely first."""
 
 
-def response_line(req: BatchRequest, *, text: str, finish_reason: str, prompt_tokens: int,
+@dataclass
+class Choice:
+    """One of a response's choices: a sample of the request."""
+
+    text: str
+    finish_reason: str
+    """"stop" or "length"."""
+    logprobs: list[TokenLogprob] | None = None
+
+
+def response_line(req: BatchRequest, *, text: str = "", finish_reason: str | None = None, prompt_tokens: int,
                   completion_tokens: int, model: str, created: int,
-                  logprobs: list[TokenLogprob] | None = None) -> dict:
+                  logprobs: list[TokenLogprob] | None = None, choices: list[Choice] | None = None) -> dict:
     """The output line of a request that ran: a chat.completion or text_completion body.
 
+    text, finish_reason, logprobs: its one choice, or `choices`: all n of them (index = position).
     finish_reason: "stop" or "length" (failed rows go through `error_line`). created: Unix
     seconds; pass one value per job (e.g. its start) so that reruns write identical lines.
     logprobs: per generated token, when the request asked for them; completion text_offset
-    values count from the start of the generated text.
+    values count from the start of the generated text. completion_tokens: over every choice.
     """
     if req.error is not None or req.url not in URLS or req.custom_id is None:
         raise ValueError("response_line needs a valid request; write failed requests with error_line")
-    if finish_reason not in ("stop", "length"):
-        raise ValueError(f'finish_reason must be "stop" or "length", got {finish_reason!r}; '
-                         "write failed requests with error_line")
+    choices = [Choice(text, finish_reason, logprobs)] if choices is None else choices
+    if not choices:
+        raise ValueError("response_line needs at least one choice")
+    for choice in choices:
+        if choice.finish_reason not in ("stop", "length"):
+            raise ValueError(f'finish_reason must be "stop" or "length", got {choice.finish_reason!r}; '
+                             "write failed requests with error_line")
     for name, value in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if req.is_chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish_reason, "logprobs": _chat_logprobs(logprobs)}
+        listed = [{"index": j, "message": {"role": "assistant", "content": c.text},
+                   "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(c.logprobs)}
+                  for j, c in enumerate(choices)]
         body = {"id": "chatcmpl-" + _digest("completion", req.custom_id), "object": "chat.completion",
-                "created": created, "model": model, "choices": [choice], "usage": usage}
+                "created": created, "model": model, "choices": listed, "usage": usage}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
-                  "logprobs": _completion_logprobs(logprobs)}
+        listed = [{"index": j, "text": c.text, "finish_reason": c.finish_reason,
+                   "logprobs": _completion_logprobs(c.logprobs)} for j, c in enumerate(choices)]
         body = {"id": "cmpl-" + _digest("completion", req.custom_id), "object": "text_completion",
-                "created": created, "model": model, "choices": [choice], "usage": usage}
+                "created": created, "model": model, "choices": listed, "usage": usage}
     return {"id": _line_id(req.custom_id), "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": _digest("request", req.custom_id), "body": body},
             "error": None}
@@ -123,19 +139,20 @@ def output_lines(rows: list[dict], ids: list[str], results: list[RowResult], *, 
     `default_logprobs`: the spec's sampling.logprobs; `tokenizer` decodes logprob tokens."""
     lines = []
     for row, row_id, result in zip(rows, ids, results):
-        if result.finish_reason == "error":
+        samples = result.sample_results()
+        failed = next((s for s in samples if s.finish_reason == "error"), None)
+        if failed is not None:  # a request's line holds all its samples or none: the first failure is its error
             custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
-            code = GENERATION_ERROR if result.ran else INVALID_REQUEST
-            line = error_line(custom_id if openai_input else row_id, code, result.error or "", row_id=row_id)
+            code = GENERATION_ERROR if failed.ran else INVALID_REQUEST
+            line = error_line(custom_id if openai_input else row_id, code, failed.error or "", row_id=row_id)
         else:
             req = result.request or request_for(row_id, chat=chat)
-            logprobs = None
-            if result.logprobs is not None:
-                n = req.sampling.get("logprobs", default_logprobs) or 0
-                logprobs = [token_logprob(tokenizer, step, n) for step in result.logprobs]
-            line = response_line(req, text=result.generated_text, finish_reason=result.finish_reason,
-                                 prompt_tokens=result.num_prompt_tokens, completion_tokens=result.num_generated_tokens,
-                                 model=req.model or model, created=created, logprobs=logprobs)
+            top = req.sampling.get("logprobs", default_logprobs) or 0
+            choices = [Choice(s.generated_text, s.finish_reason, None if s.logprobs is None else
+                              [token_logprob(tokenizer, step, top) for step in s.logprobs]) for s in samples]
+            line = response_line(req, choices=choices, prompt_tokens=result.num_prompt_tokens,
+                                 completion_tokens=sum(s.num_generated_tokens for s in samples),
+                                 model=req.model or model, created=created)
         lines.append(json.dumps(line, ensure_ascii=False))
     return lines
 

@@ -5,7 +5,7 @@ the output table (pipeline.tasks.table) and OpenAI Batch lines (pipeline.tasks.o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipeline.spec import SCORE_PREFIX
@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class RowResult:
-    """One row's result. The first fields are output columns of the same name; `ran`, `request`
-    and `logprobs` are not written as columns: they shape the row's OpenAI Batch line."""
+    """One row's result. The first fields are output columns of the same name; `ran`, `request`,
+    `logprobs` and `samples` are not written as columns: they shape the row's OpenAI Batch line
+    and, with n > 1 samples, its output rows (one per sample)."""
 
     generated_text: str = ""
     """The generated text (label tasks that score choices: the chosen label); "" when the row failed."""
@@ -37,6 +38,8 @@ class RowResult:
     """Choice scoring: each choice's summed log-likelihood after the prompt."""
     label_logprobs_per_token: list[float] | None = None
     """Choice scoring: each choice's mean log-likelihood per token."""
+    sample_index: int = 0
+    """Which of the request's samples this is (the `sample_index` column when sampling.n > 1)."""
     scores: dict[str, float | None] = field(default_factory=dict)
     """eval: score_<metric> column -> 1.0, 0.0 or None (unscored)."""
     ran: bool = False
@@ -45,6 +48,16 @@ class RowResult:
     """The OpenAI Batch request the row came from (input.format openai_batch), else None."""
     logprobs: list[dict[int, float]] | None = None
     """Per generated token, {token id: logprob}, chosen token first, when sampling asked for logprobs."""
+    samples: list[RowResult] | None = None
+    """A request of n > 1 samples that ran: one result per sample, in sample order (the fields
+    above are sample 0's, as in engine.Completion); None otherwise."""
+
+    def sample_results(self, n: int = 1) -> list[RowResult]:
+        """The results of the row's output rows: its samples, or, for a row that drew none (it
+        failed first), `n` copies of itself numbered 0 .. n-1, so every row has n sample rows."""
+        if self.samples is not None:
+            return self.samples
+        return [self] if n == 1 else [replace(self, sample_index=j, scores=dict(self.scores)) for j in range(n)]
 
     def column(self, name: str):
         """The value of output column `name`."""

@@ -1,4 +1,5 @@
-"""The output table of a batch of rows: id, the passed-through input columns, then the task's."""
+"""The output table of a batch of rows: id (and sample_index when sampling.n > 1), the passed-through
+input columns, then the task's."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from pipeline.spec import SCORE_PREFIX, output_columns
+from pipeline.spec import SAMPLE_INDEX, SCORE_PREFIX, output_columns
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -14,8 +15,8 @@ if TYPE_CHECKING:
 
 _SCORES = pa.list_(pa.float64())
 COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
-                "finish_reason": pa.string(), "error": pa.string(), "label": pa.string(), "label_probs": _SCORES,
-                "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
+                "finish_reason": pa.string(), "error": pa.string(), SAMPLE_INDEX: pa.int64(), "label": pa.string(),
+                "label_probs": _SCORES, "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
 """Arrow types of the columns the task writes (score_<metric> columns are float64), so that
 every part of a job has the same schema, whatever its rows held."""
 
@@ -32,14 +33,16 @@ def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[
     if keep is not None:  # eval needs its reference and group columns in the committed parts
         keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
     produced = output_columns(spec)
+    n = spec.sampling.n
     out = []
     for row, row_id, result in zip(rows, ids, results):
-        record = {"id": row_id}
-        for name, value in row.items():
-            if (keep is None or name in keep) and name not in produced and name != "id":
-                record[name] = value
-        record.update((k, result.column(k)) for k in produced)
-        out.append(record)
+        passed = {name: value for name, value in row.items()
+                  if (keep is None or name in keep) and name not in produced and name != "id"}
+        # n > 1: one row per sample, the input row's id and columns on each, its index after the id
+        for sample in result.sample_results(n) if n > 1 else [result]:
+            record = {"id": row_id, **({SAMPLE_INDEX: sample.sample_index} if n > 1 else {}), **passed}
+            record.update((k, sample.column(k)) for k in produced)
+            out.append(record)
     if not out:
         return pa.table({"id": pa.array([], pa.string()),
                          **{name: pa.array([], column_type(name)) for name in produced}})

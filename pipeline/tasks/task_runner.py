@@ -49,6 +49,7 @@ class TaskRunner:
         seed = sampling.pop("seed")
         self.base_seed = spec.seed if seed is None else seed
         self.sampling = sampling
+        self.sample_rows = spec.sampling.n > 1  # one output row per sample, else one per input row
         label = spec.label
         labeling = self.task in ("label", "eval")
         self.choices = label.choices if labeling else None
@@ -67,11 +68,11 @@ class TaskRunner:
             self._score(rows, todo, prompts, errors, results)
         else:
             completions = self.engine.generate(prompts, params) if prompts else []
-            for i, c, req in zip(todo, completions, requests):
-                results[i] = RowResult(c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error,
-                                       ran=True, request=req, logprobs=c.logprobs)
+            for i, c, sp, req in zip(todo, completions, params, requests):
+                results[i] = _generated(c, sp.n, req)
                 if self.label_regex is not None:
-                    self._parse_label(c, results[i])
+                    for result in results[i].sample_results():
+                        self._parse_label(result)
         for i, result in enumerate(results):
             if result is None:
                 results[i] = RowResult(error=errors[i])
@@ -113,6 +114,10 @@ class TaskRunner:
             except (ValueError, TypeError) as exc:
                 errors[i] = str(exc)
                 continue
+            if sp.n > 1 and not self.sample_rows and self.spec.output.format != "openai_batch":
+                errors[i] = ("body.n > 1 needs output.format openai_batch (one line with n choices) or sampling.n > 1 "
+                             "in the job spec (one row per sample)")
+                continue
             todo.append(i)
             prompts.append(prompt)
             params.append(sp)
@@ -153,10 +158,10 @@ class TaskRunner:
         # where the assistant's answer starts
         return " " if isinstance(prompt, str) and not prompt[-1:].isspace() else ""
 
-    def _parse_label(self, c, result: RowResult) -> None:
-        if c.finish_reason == "error":
+    def _parse_label(self, result: RowResult) -> None:
+        if result.finish_reason == "error":
             return
-        match = self.label_regex.search(c.text)
+        match = self.label_regex.search(result.generated_text)
         if match is None:
             result.error = NO_MATCH
             return
@@ -167,7 +172,10 @@ class TaskRunner:
     def _add_scores(self, rows, results: list[RowResult]) -> None:
         ev = self.spec.eval
         normalize = ev.normalize.model_dump()
-        refs = [row.get(ev.reference_column) for row in rows]
+        # each sample row is scored on its own; a row that drew no samples is scored once (its copies share it)
+        pairs = [(row, sample) for row, result in zip(rows, results) for sample in result.sample_results()]
+        results = [sample for _, sample in pairs]
+        refs = [row.get(ev.reference_column) for row, _ in pairs]
         failed = [r.finish_reason == "error" for r in results]
         text_metrics = [m for m in ev.metrics if m != "accuracy"]
         columns = {}
@@ -182,6 +190,22 @@ class TaskRunner:
         for name, values in columns.items():
             for result, value in zip(results, values):
                 result.scores[name] = value
+
+
+def _generated(c, n: int, req) -> RowResult:
+    """The result of a completion; with n > 1, one result per sample (a request that failed before
+    it drew samples, or an engine that returns none, gives n copies of its one result)."""
+    result = RowResult(c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error,
+                       ran=True, request=req, logprobs=c.logprobs)
+    if n == 1:
+        return result
+    if len(c.samples) == n:
+        result.samples = [RowResult(s.text, c.num_prompt_tokens, s.num_generated_tokens, s.finish_reason, s.error,
+                                    sample_index=s.index, ran=True, request=req, logprobs=s.logprobs)
+                          for s in c.samples]
+    else:
+        result.samples = result.sample_results(n)
+    return result
 
 
 def _softmax(logprobs: list[float]) -> list[float]:

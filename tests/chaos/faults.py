@@ -1,9 +1,10 @@
 """The faults behind pipeline.run.chaos's hook: break a job at a named point, on purpose.
 
 A job runs them with `BATCHINFER_CHAOS_HOOK=chaos.faults` (tests/ on PYTHONPATH; see
-`harness.hook_env`) and `BATCHINFER_CHAOS` set to `POINT:ACTION[:ONCE_FILE]`, several separated
-by `;`. At POINT the process performs ACTION; with ONCE_FILE only the first process to create
-that file does (so a restarted actor or a rerun gets through).
+`harness.hook_env`) and `BATCHINFER_CHAOS` set to `POINT[#K]:ACTION[:ONCE_FILE]`, several separated
+by `;`. At POINT the process performs ACTION; with #K only the K-th time this process reaches
+POINT (e.g. `shard#2`: an actor's second shard, after its first was committed); with ONCE_FILE
+only the first process to create that file does (so a restarted actor or a rerun gets through).
 
 Actions: `kill` (SIGKILL the whole process group: a crashed machine), `exit` (os._exit(1): a
 crashed process), `raise` (an exception), `sleep=SECONDS`, `record=FILE` (appends a JSON line
@@ -23,12 +24,18 @@ class InjectedFault(RuntimeError):
     """Raised by the `raise` action."""
 
 
+_reached: dict[str, int] = {}
+"""Times this process reached each point."""
+
+
 def point(name: str) -> None:
     """Performs the fault configured for `name`, if any."""
+    _reached[name] = _reached.get(name, 0) + 1
     for item in os.environ.get(ENV, "").split(";"):
         where, _, rest = item.strip().partition(":")
         action, _, once = rest.partition(":")
-        if where != name or (once and not _first(once)):
+        where, _, nth = where.partition("#")
+        if where != name or (nth and _reached[name] != int(nth)) or (once and not _first(once)):
             continue
         if action == "kill":
             os.killpg(os.getpgid(0), signal.SIGKILL)

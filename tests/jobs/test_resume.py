@@ -86,7 +86,7 @@ def batch_requests(n: int) -> list[dict]:
     lines = []
     for i in range(n):
         if i % 7 == 3:
-            body, url = {"prompt": f"bad {i}", "n": 2}, "/v1/completions"  # an error line
+            body, url = {"prompt": f"bad {i}", "n": 0}, "/v1/completions"  # an error line
         elif i % 2:
             body, url = {"model": "m", "prompt": f"Once upon {i}", "temperature": 0.8, "seed": i}, "/v1/completions"
         else:

@@ -18,7 +18,7 @@ def test_defaults_come_from_the_engine_dataclasses():
     for name in s.sampling.model_fields:
         assert getattr(s.sampling, name) == getattr(SamplingParams(), name)
     assert set(s.sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {
-        "n", "structured_outputs"}  # engine-only until the job writes a row per sample
+        "structured_outputs"}  # engine-only until the spec has a type for it
     for name in s.engine.model_fields:
         assert getattr(s.engine, name) == getattr(EngineConfig(), name)
     assert s.model == "builtin:tiny" and s.workers.cpus < 1
@@ -69,6 +69,34 @@ def test_fingerprint_tracks_what_changes_rows():
     assert spec("workers.num=4").fingerprint() == base
     assert spec("sampling.max_tokens=99").fingerprint() != base
     assert spec("workers.rows_per_batch=7").fingerprint() != base  # shard boundaries move
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["sampling.n=0"], "sampling.n: n must be >= 1, got 0"),
+    (["sampling.n=129"], "sampling.n: n must be <= 128, got 129"),
+    (["sampling.n=two"], "sampling.n: Input should be a valid integer"),
+    (["sampling.n=2", "task=label", "label.choices=[a, b]"], "sampling.n: choice scoring"),
+    (["sampling.n=3", "task=eval", "eval.reference_column=a", "eval.k=[1, 4]"],
+     "eval.k: each k must be in [1, sampling.n=3], got 4"),
+    (["sampling.n=3", "task=eval", "eval.reference_column=a", "eval.k=[0]"], "eval.k: each k must be in"),
+    (["sampling.n=3", "task=eval", "eval.reference_column=a", "eval.k=[]"], "eval.k: give at least one k"),
+    (["sampling.n=3", "task=eval", "eval.reference_column=a", "eval.k=[2, 2]"], "eval.k lists a k twice"),
+    (["eval.k=[2]"], "eval.k: each k must be in [1, sampling.n=1], got 2"),
+    (["sampling.n=2", "task=eval", "eval.reference_column=sample_index"], "eval.reference_column: 'sample_index' is "
+     "also an output column"),
+])
+def test_bad_sample_settings_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(SpecError) as err:
+        spec(*overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_n_counts_in_the_fingerprint_only_above_one_and_eval_k_never():
+    base = spec().fingerprint()
+    assert spec("sampling.n=1").fingerprint() == base  # outputs written before n existed still resume
+    assert spec("sampling.n=2").fingerprint() != base
+    assert spec("sampling.n=4", "eval.k=[2]").fingerprint() == spec("sampling.n=4").fingerprint()
+    assert spec("sampling.n=2").sampling.n == 2 and spec().eval.k is None
 
 
 def test_every_field_has_a_description_and_the_cli_lists_them():

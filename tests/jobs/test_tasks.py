@@ -189,7 +189,9 @@ def batch_lines():
         {"custom_id": "req-unknown", "method": "POST", "url": "/v1/chat/completions",
          "body": {**chat, "logit_bias": {"1": 5}}},
         {"custom_id": "req-n", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "x", "n": 2}},
+         "body": {"prompt": "x", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 5, "logprobs": 0}},
+        {"custom_id": "req-n-bad", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "n": 200}},
         {"custom_id": "req-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "req-logprobs", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": chat["messages"], "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4}},
@@ -200,8 +202,8 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
-    assert [line["custom_id"] for line in lines] == ["req-chat", "req-text", "req-unknown", "req-n", "req-url",
-                                                     "req-logprobs"]
+    assert [line["custom_id"] for line in lines] == ["req-chat", "req-text", "req-unknown", "req-n", "req-n-bad",
+                                                     "req-url", "req-logprobs"]
     chat = ChatCompletion.model_validate(lines[0]["response"]["body"])
     assert chat.model == "my-model" and chat.usage.completion_tokens <= 5
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
@@ -210,13 +212,17 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     assert text.usage.completion_tokens <= 3 and isinstance(text.choices[0].text, str)
     assert lines[0]["response"]["status_code"] == 200 and lines[0]["error"] is None
     failed = [line for line in lines if line["error"] is not None]
-    assert [line["custom_id"] for line in failed] == ["req-unknown", "req-n", "req-url"]
+    assert [line["custom_id"] for line in failed] == ["req-unknown", "req-n-bad", "req-url"]
     assert all(line["response"] is None for line in failed)
-    assert "logit_bias" in failed[0]["error"]["message"] and "n must be 1" in failed[1]["error"]["message"]
+    assert "logit_bias" in failed[0]["error"]["message"]
+    assert failed[1]["error"]["message"] == "body.n must be in [1, 128], got 200"
+    sampled = Completion.model_validate(lines[3]["response"]["body"])  # n = 3: one line, three choices
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and len({c.text for c in sampled.choices}) > 1
+    assert sampled.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in sampled.choices) > 3
     for line in failed:
         BatchError.model_validate(line["error"])
     assert errors == failed
-    with_logprobs = ChatCompletion.model_validate(lines[5]["response"]["body"])
+    with_logprobs = ChatCompletion.model_validate(lines[6]["response"]["body"])
     tokens = with_logprobs.choices[0].logprobs.content
     assert len(tokens) == with_logprobs.usage.completion_tokens <= 4
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
@@ -233,8 +239,8 @@ def test_openai_batch_file_in_and_out(tmp_path):
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     check_batch_output(lines, errors)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["openai_batch"]["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
-    assert manifest["errors"] == 3 and "3 completed, 3 failed" in text
+    assert manifest["openai_batch"]["request_counts"] == {"total": 7, "completed": 4, "failed": 3}
+    assert manifest["errors"] == 3 and manifest["rows"] == 7 and "4 completed, 3 failed" in text
 
     # a rerun from scratch writes the same lines (ids are derived from custom_id)
     code, _ = run(*args, "--overwrite")

@@ -9,7 +9,7 @@ from pydantic import TypeAdapter
 
 from pipeline.tasks.openai_requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, BatchRequest, parse_request,
                                             unknown_fields_error)
-from pipeline.tasks.openai_responses import TokenLogprob, error_line, response_line
+from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, response_line
 
 
 def chat(body=None, **line):
@@ -52,7 +52,7 @@ def test_valid_chat_request():
                   {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again"}],
         prompt=None,
         sampling={"max_tokens": 32, "temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.1,
-                  "frequency_penalty": -0.2, "seed": 7, "stop": ["\n"], "logprobs": 3},
+                  "frequency_penalty": -0.2, "seed": 7, "stop": ["\n"], "n": 1, "logprobs": 3},
         model="gpt-4o-mini", error=None, unknown=[])
     assert req.is_chat
 
@@ -122,7 +122,9 @@ def test_chat_logprobs_mapping():
     (completion({"prompt": [1, 2, 3]}), "body.prompt as token ids is not supported; send the prompt text"),
     (completion({"prompt": {"text": "x"}}), "body.prompt must be a string, got dict"),
     # sampling
-    (chat({"n": 2}), "body.n must be 1 (one completion per request), got 2"),
+    (chat({"n": 0}), "body.n must be in [1, 128], got 0"),
+    (chat({"n": 129}), "body.n must be in [1, 128], got 129"),
+    (chat({"n": True}), "body.n must be an integer, got True"),
     (chat({"stream": True}), "body.stream must be false, got True"),
     (chat({"max_tokens": 0}), "body.max_tokens must be >= 1, got 0"),
     (chat({"max_tokens": "10"}), "body.max_tokens must be an integer, got '10'"),
@@ -191,6 +193,24 @@ def test_completion_response_is_a_valid_completion():
     assert parsed.choices[0].text == " hi" and parsed.choices[0].finish_reason == "length"
     assert parsed.usage.total_tokens == 3
     assert not parsed.model_extra and not parsed.choices[0].model_extra
+
+
+def test_n_choices_in_one_line_each_with_its_index():
+    assert parse_request(chat({"n": 3})).sampling["n"] == 3
+    choices = [Choice("a", "stop"), Choice("bb", "length", [TokenLogprob("b", -0.2)]), Choice("", "stop")]
+    line = roundtrip(response_line(parse_request(chat({"n": 3})), choices=choices, prompt_tokens=4,
+                                   completion_tokens=5, model="m", created=1))
+    parsed = ChatCompletion.model_validate(line["response"]["body"])
+    assert [(c.index, c.message.content, c.finish_reason) for c in parsed.choices] == [
+        (0, "a", "stop"), (1, "bb", "length"), (2, "", "stop")]
+    assert parsed.choices[1].logprobs.content[0].logprob == -0.2 and parsed.choices[0].logprobs is None
+    text = Completion.model_validate(roundtrip(response_line(
+        parse_request(completion({"n": 2})), choices=choices[:2], prompt_tokens=1, completion_tokens=3, model="m",
+        created=1))["response"]["body"])
+    assert [(c.index, c.text) for c in text.choices] == [(0, "a"), (1, "bb")] and text.usage.total_tokens == 4
+    with pytest.raises(ValueError, match="finish_reason must be"):
+        response_line(parse_request(chat()), choices=[Choice("a", "stop"), Choice("", "error")], prompt_tokens=1,
+                      completion_tokens=1, model="m", created=1)
 
 
 def test_logprobs_in_responses():

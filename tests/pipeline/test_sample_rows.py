@@ -1,0 +1,71 @@
+"""sampling.n in a job's rows, on the tiny model and without Ray: one output row per sample, and
+with n = 1 the rows of a spec that never heard of n."""
+import pytest
+
+from engine import EngineConfig, LLMEngine
+from pipeline.spec import BASE_COLUMNS, validate
+from pipeline.tasks import TaskRunner, output_table
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="builtin:tiny"))
+
+
+def spec(**sections):
+    sampling = {"max_tokens": 3, "temperature": 1.0, "ignore_eos": True, **sections.pop("sampling", {})}
+    return validate({"input": {"path": "-"}, "output": {"path": "-"}, "sampling": sampling, **sections})
+
+
+def table(engine, job, rows, ids):
+    runner = TaskRunner(job, engine)
+    return output_table(job, rows, ids, runner.run(rows, ids, [None] * len(rows)))
+
+
+ROWS = [{"prompt": "one"}, {"prompt": None}, {"prompt": "three"}]
+IDS = ["a", "b", "c"]
+
+
+def test_n_1_writes_the_rows_and_fingerprint_of_a_spec_without_n(engine):
+    plain, one = spec(), spec(sampling={"n": 1})
+    assert one.fingerprint() == plain.fingerprint()
+    before, after = table(engine, plain, ROWS, IDS), table(engine, one, ROWS, IDS)
+    assert after.column_names == before.column_names == ["id", "prompt", *BASE_COLUMNS]
+    assert after.equals(before) and after.num_rows == 3
+
+
+def test_n_3_gives_three_rows_per_id_with_sample_index_and_sample_0_is_the_n_1_row(engine):
+    sampled = table(engine, spec(sampling={"n": 3}), ROWS, IDS)
+    assert sampled.column_names == ["id", "sample_index", "prompt", *BASE_COLUMNS]
+    rows = sampled.to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in rows] == [(i, j) for i in IDS for j in range(3)]
+    single = {r["id"]: r for r in table(engine, spec(), ROWS, IDS).to_pylist()}
+    for r in rows:
+        if r["sample_index"] == 0:
+            assert {k: v for k, v in r.items() if k != "sample_index"} == single[r["id"]]
+    texts = [r["generated_text"] for r in rows if r["id"] == "a"]
+    assert len(set(texts)) == 3, "samples at temperature 1 differ"
+    failed = [r for r in rows if r["id"] == "b"]  # a row that fails first still has its n rows
+    assert all(r["finish_reason"] == "error" and r["error"] == "prompt is null" for r in failed)
+    assert all(r["num_generated_tokens"] == 3 for r in rows if r["id"] != "b")
+    # the same samples whatever else is in the batch, and in whatever order
+    again = table(engine, spec(sampling={"n": 3}), [ROWS[2], {"prompt": "other"}], ["c", "x"]).to_pylist()
+    assert [r["generated_text"] for r in again if r["id"] == "c"] == [r["generated_text"] for r in rows
+                                                                      if r["id"] == "c"]
+
+
+def test_each_sample_row_keeps_its_scores_and_parsed_label(engine):
+    job = spec(sampling={"n": 4}, task="eval", label={"label_regex": "(.)"},
+               eval={"reference_column": "answer", "metrics": ["exact_match", "accuracy"]})
+    rows = table(engine, job, [{"prompt": "q", "answer": "zz-never"}], ["q"]).to_pylist()
+    assert [r["sample_index"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["label"] == r["generated_text"][0] for r in rows)
+    assert all(r["score_exact_match"] == 0.0 and r["score_accuracy"] == 0.0 for r in rows)
+
+
+def test_body_n_above_1_needs_a_place_for_its_samples(engine):
+    request = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}
+    job = spec(input={"path": "-", "format": "openai_batch"})
+    rows = table(engine, job, [request], ["r"]).to_pylist()
+    assert len(rows) == 1 and rows[0]["finish_reason"] == "error"
+    assert rows[0]["error"].startswith("body.n > 1 needs output.format openai_batch")

@@ -14,7 +14,6 @@ from engine.block_pool import BlockPool, hash_salt
 from engine.config import CPU_POOL_TOKENS, EngineConfig
 from engine.finish import finish_rows
 from engine.grammar import GrammarBackend
-from engine.kv_cache import PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.outputs import BatchStats, Completion
 from engine.sampler import Sampler
@@ -65,7 +64,7 @@ class LLMEngine:
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
         num_blocks = self._pool_blocks()
-        self.cache = PagedKVCache(self.runner.num_layers, num_blocks, self.block_size, self.runner.kv_dtype)
+        self.cache = self.runner.new_cache(num_blocks, self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
         self.pool = BlockPool(num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
@@ -81,6 +80,17 @@ class LLMEngine:
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
+
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
+        interpreter exit stop them too."""
+        self.runner.close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def pool_tokens(self) -> int:

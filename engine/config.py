@@ -35,7 +35,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Devices (one process each) the model is split over, by attention heads and MLP columns; the engine starts the other ranks itself: on CUDA the first N visible GPUs, on CPU N processes sharing the cores (vLLM's name)."""
     distributed_timeout_s: float = 120.0
-    """With tensor_parallel_size > 1: the longest any collective or a rank's start waits, so a rank that dies or hangs fails the engine within it."""
+    """With tensor_parallel_size > 1: the longest any collective waits (and the ranks' rendezvous), so a rank that dies or hangs fails the engine within it."""
     scheduling: str = "static"
     """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
     max_num_batched_tokens: int | None = None

@@ -66,7 +66,7 @@ class RankGroup:
         self.timeout_s = timeout_s
         self._threads = threads  # rank 0's torch threads before the ranks shared the cores
         self._keys = itertools.count()
-        self._finalizer = weakref.finalize(self, _stop, procs, conns, threads)
+        self._finalizer = weakref.finalize(self, _stop, procs, conns, threads, STOP_S)
 
     @property
     def pids(self) -> list[int]:
@@ -96,7 +96,7 @@ class RankGroup:
         group = cls(procs, conns, config.distributed_timeout_s, threads)
         torch.set_num_threads(share)
         try:
-            group.wait_for("hello", config.distributed_timeout_s)
+            group.wait_for("hello", None)  # imports take what they take on a busy machine; a dead rank fails
             init_group(config, 0, port, device)
         except BaseException as exc:
             raise group.failure(exc) from None
@@ -161,14 +161,18 @@ class RankGroup:
         return error
 
     def close(self, graceful: bool = True) -> None:
-        """Stops the ranks (asking first when graceful) and leaves the process group."""
-        if graceful:
-            for proc, conn in zip(self.procs, self.conns):
-                try:
-                    if proc.exitcode is None:
-                        conn.send(("close",))
-                except OSError:
-                    pass
+        """Stops the ranks (asking them first and waiting up to STOP_S when graceful, else killing
+        them at once) and leaves the process group."""
+        if not graceful:
+            if self._finalizer.detach() is not None:
+                _stop(self.procs, self.conns, self._threads, 0.0)
+            return
+        for proc, conn in zip(self.procs, self.conns):
+            try:
+                if proc.exitcode is None:
+                    conn.send(("close",))
+            except OSError:
+                pass
         self._finalizer()
 
     def _pending_error(self, i: int) -> str | None:
@@ -185,11 +189,11 @@ class RankGroup:
         return f"tensor-parallel rank {i + 1} (pid {self.procs[i].pid}) {what}; all ranks are stopped"
 
 
-def _stop(procs, conns, threads: int) -> None:
-    """Joins (then kills) every rank, and leaves the process group: close(), garbage or exit."""
+def _stop(procs, conns, threads: int, wait_s: float) -> None:
+    """Joins (killing after wait_s) every rank, and leaves the process group: close(), garbage or exit."""
     for conn in conns:
         conn.close()  # a rank waiting for a command sees EOF and exits
-    deadline = time.monotonic() + STOP_S
+    deadline = time.monotonic() + wait_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.exitcode is None:

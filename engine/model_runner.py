@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -11,10 +12,10 @@ import torch
 from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
 from engine import tensor_parallel
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, one_line
 from engine.kv_cache import PagedKVCache
 from engine.loader import check_architecture, load_model, load_tokenizer, read_config, resolve_model_dir
-from engine.ranks import RankGroup, rank_device
+from engine.ranks import RankGroup, join_as_rank, rank_device
 from engine.quantization import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
@@ -136,7 +137,8 @@ class ModelRunner:
             raise ModelLoadError(f"tensor_parallel_size {n} needs {n} visible GPUs, torch sees "
                                  f"{torch.cuda.device_count()}")
         if self.rank == 0:
-            self.ranks = RankGroup.start(replace(config, model=str(self.model_dir), tokenizer=None), self.device)
+            self.ranks = RankGroup.start(replace(config, model=str(self.model_dir), tokenizer=None), self.device,
+                                         rank_main)
         try:
             model = tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
                                                self.device, self.rank, n, config.trust_remote_code)
@@ -301,3 +303,40 @@ class PassPlan:
     """Token indices whose logits are returned; None = all of them."""
     long_tokens: np.ndarray | None
     """(T,) bool: tokens past LongRoPE's original length (None: none, or no LongRoPE)."""
+
+
+def rank_main(config: EngineConfig, rank: int, port: int, conn, parent: int, threads: int) -> None:
+    """A tensor-parallel rank's process (spawned by rank 0): loads its shard, then runs rank 0's
+    commands until told to close or rank 0 is gone. A failure is sent to rank 0, which names it."""
+    try:
+        conn.send(("hello", None))
+        join_as_rank(config, rank, port, parent, threads, rank_device(resolve_device(config.device), rank))
+        runner = ModelRunner(config, rank=rank)
+        conn.send(("ready", None))
+        serve(runner, conn)
+    except (EOFError, KeyboardInterrupt):  # rank 0 is gone, or Ctrl-C reached the process group
+        pass
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            conn.send(("error", one_line(exc)))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)  # no interpreter teardown: a collective's thread must not keep a finished rank alive
+
+
+def serve(runner: ModelRunner, conn) -> None:
+    """Runs rank 0's commands until it says close (or its pipe closes: EOFError)."""
+    caches: dict[int, PagedKVCache] = {}
+    while True:
+        command, *args = conn.recv()
+        if command == "run":
+            runner.forward(caches[args[0]], args[1])
+        elif command == "cache":
+            caches[args[0]] = runner.make_cache(*args[1:])
+        elif command == "drop":
+            caches.pop(args[0], None)
+        elif command == "copy":
+            caches[args[0]].copy_block(*args[1:])
+        elif command == "close":
+            return

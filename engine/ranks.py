@@ -73,8 +73,9 @@ class RankGroup:
         return [p.pid for p in self.procs]
 
     @classmethod
-    def start(cls, config, device: torch.device) -> "RankGroup":
-        """Spawns ranks 1..N-1 and joins the process group with them as rank 0."""
+    def start(cls, config, device: torch.device, rank_main) -> "RankGroup":
+        """Spawns ranks 1..N-1, each running rank_main(config, rank, port, conn, parent pid,
+        threads), and joins the process group with them as rank 0."""
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -206,47 +207,14 @@ def _stop(procs, conns, threads: int, wait_s: float) -> None:
     torch.set_num_threads(threads)
 
 
-# -- a rank's own process -----------------------------------------------------------------------
+# -- in a rank's own process -----------------------------------------------------------------
 
 
-def rank_main(config, rank: int, port: int, conn, parent: int, threads: int) -> None:
-    """A rank's process: joins the group, loads its shard, then runs rank 0's commands."""
+def join_as_rank(config, rank: int, port: int, parent: int, threads: int, device: torch.device) -> None:
+    """The start of a rank's process: it exits when `parent` (rank 0) does, and joins the group."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
-    try:
-        from engine.model_runner import ModelRunner, resolve_device
-
-        conn.send(("hello", None))
-        init_group(config, rank, port, rank_device(resolve_device(config.device), rank))
-        runner = ModelRunner(config, rank=rank)
-        conn.send(("ready", None))
-        serve(runner, conn)
-    except (EOFError, KeyboardInterrupt):  # rank 0 is gone, or Ctrl-C reached the process group
-        pass
-    except BaseException as exc:  # noqa: BLE001  reported to rank 0, which names it
-        try:
-            conn.send(("error", one_line(exc)))
-        except OSError:
-            pass
-        os._exit(1)
-    os._exit(0)  # no interpreter teardown: a collective thread must not keep a dead rank alive
-
-
-def serve(runner, conn) -> None:
-    """Runs rank 0's commands until it says close (or its pipe closes: EOFError)."""
-    caches = {}
-    while True:
-        command, *args = conn.recv()
-        if command == "run":
-            runner.forward(caches[args[0]], args[1])
-        elif command == "cache":
-            caches[args[0]] = runner.make_cache(*args[1:])
-        elif command == "drop":
-            caches.pop(args[0], None)
-        elif command == "copy":
-            caches[args[0]].copy_block(*args[1:])
-        elif command == "close":
-            return
+    init_group(config, rank, port, device)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -182,6 +182,7 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _task_checks(self):
         check_task(self)
+        check_gpus(self)
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -216,8 +217,21 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
-EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens")
+EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
+                    "distributed_timeout_s")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""
+
+
+def check_gpus(spec: JobSpec) -> None:
+    """With engine.tensor_parallel_size N on GPU an actor holds one GPU per rank: workers.gpus is N,
+    and becomes N when left unset with engine.device cuda."""
+    n, workers = spec.engine.tensor_parallel_size, spec.workers
+    if "gpus" not in workers.model_fields_set and spec.engine.device.startswith("cuda"):
+        workers.gpus = float(n)
+    if n > 1 and workers.gpus and workers.gpus != n:
+        raise ValueError(f"workers.gpus {workers.gpus:g} with engine.tensor_parallel_size {n}: an actor needs one GPU "
+                         f"per rank; set workers.gpus: {n} (or 0 to run the ranks on CPU), or leave it unset with "
+                         "engine.device: cuda")
 
 
 def check_task(spec: JobSpec) -> None:

@@ -140,7 +140,8 @@ class ReportSpec(_Section):
 
 class WorkersSpec(_Section):
     num: int = Field(1, ge=1, description="Engine actors (one model copy each).")
-    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU).")
+    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU); with engine.tensor_parallel_size N "
+                        "on GPU it must be N, its default when unset with engine.device cuda.")
     cpus: float = Field(0.5, gt=0, description="CPUs per actor; fractional on CPU so reads can still be scheduled.")
     rows_per_batch: int | None = Field(
         None, ge=1, description="Most rows in one shard (the unit of work, commit and resume); None = shards are "

@@ -100,12 +100,14 @@ class LLMEngine:
     @property
     def memory(self) -> dict:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
-        manifests and `batchinfer tune`. Pool bytes are computed before its first allocation."""
+        manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
+        With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
         per_token = self.cache.nbytes() // self.pool_tokens if self.cache.allocated else kv_bytes_per_token(
             self.runner)
         return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
                 "kv_bytes": per_token * self.pool_tokens, "weights_bytes": self.runner.weights_nbytes,
-                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype}
+                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype,
+                "tensor_parallel_size": self.config.tensor_parallel_size}
 
     @property
     def prefix_cache_hit_rate(self) -> float:

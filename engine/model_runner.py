@@ -149,7 +149,9 @@ class ModelRunner:
                 self.ranks.wait_for("ready", None)  # loading a shard takes what it takes; a dead rank fails
         except BaseException as exc:
             if self.ranks is not None:
-                raise self.ranks.failure(exc) from exc
+                error = self.ranks.failure(exc, in_pass=False)
+                if error is not exc and isinstance(exc, Exception):
+                    raise error from exc
             raise
         return model
 
@@ -248,7 +250,10 @@ class ModelRunner:
         try:
             return self.forward(cache, plan)
         except BaseException as exc:  # the ranks are mid-pass or gone: none can be resumed
-            raise self.ranks.failure(exc) from exc
+            error = self.ranks.failure(exc)
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C stays a KeyboardInterrupt (the ranks are stopped all the same)
+            raise error from exc
 
     @torch.inference_mode()
     def forward(self, cache: PagedKVCache, plan: PassPlan) -> torch.Tensor | None:

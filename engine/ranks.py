@@ -100,7 +100,13 @@ class RankGroup:
             group.wait_for("hello", None)  # imports take what they take on a busy machine; a dead rank fails
             init_group(config, 0, port, device)
         except BaseException as exc:
-            raise group.failure(exc) from None
+            error = group.failure(exc, in_pass=False)
+            if not isinstance(exc, Exception):
+                raise
+            if error is exc and not isinstance(exc, RankError):
+                error = RankError(f"tensor-parallel rank 0 (pid {os.getpid()}) could not join ranks {group.pids}: "
+                                  f"{one_line(exc)}; all ranks are stopped")
+            raise error from None
         return group
 
     def new_key(self) -> int:
@@ -142,13 +148,14 @@ class RankGroup:
         except OSError as exc:  # a pipe closed: its rank died since check()
             raise self.failure(exc) from None
 
-    def failure(self, exc: BaseException) -> RankError:
-        """Stops every rank; returns the error that names the rank that failed (or `exc`)."""
+    def failure(self, exc: BaseException, in_pass: bool = True) -> BaseException:
+        """Stops every rank; returns the error that names the rank that failed, else (every rank
+        alive) a RankError around `exc` for a pass, `exc` itself otherwise (rank 0's own load)."""
         try:
             for proc in self.procs:  # a rank that failed is usually exiting as rank 0 learns of it
                 proc.join(FAIL_WAIT_S)
             self.check()
-            error = exc if isinstance(exc, RankError) else RankError(
+            error = exc if isinstance(exc, RankError) or not in_pass else RankError(
                 f"tensor-parallel pass failed in rank 0 (pid {os.getpid()}) with every rank alive (a hung rank "
                 f"times out after distributed_timeout_s={self.timeout_s:g}): {one_line(exc)}; all ranks are stopped")
             for i in range(len(self.procs)):

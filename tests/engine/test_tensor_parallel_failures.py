@@ -16,7 +16,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import RankError
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,7 +72,7 @@ def test_a_hung_rank_fails_the_engine_within_the_timeout(tiny_model_dir):
     os.kill(pid, signal.SIGSTOP)
     began = time.monotonic()
     with pytest.raises(RankError, match=r"with every rank alive \(a hung rank times out after "
-                                        r"distributed_timeout_s=4\): .*; all ranks are stopped$"):
+                                        r"distributed_timeout_s=2\): .*; all ranks are stopped$"):
         llm.generate(["Hello there"], SamplingParams(max_tokens=4))
     assert TIMEOUT_S - 0.5 < time.monotonic() - began < TIMEOUT_S + 8
     assert gone(pid)

@@ -57,16 +57,12 @@ class LLMEngine:
         if config is not None and overrides:
             raise TypeError("pass either an EngineConfig or keyword overrides, not both")
         self.runner = ModelRunner(self.config)
-        self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
-        self.max_model_len = self._max_model_len()
-        self.continuous = self.config.scheduling == "continuous"
-        self.block_size = self.config.block_size
-        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
-                                                     on_cpu=self.runner.device.type != "cuda")
-        num_blocks = self._pool_blocks()
-        self.cache = self.runner.new_cache(num_blocks, self.block_size)
-        """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
-        self.pool = BlockPool(num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
+        try:
+            self._prepare()
+        except BaseException:
+            self.runner.close()  # the ranks of an engine that never was
+            raise
+        self.pool = BlockPool(self.cache.num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
                               str(self.runner.kv_dtype), self.runner.quantization)
         """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
@@ -80,6 +76,17 @@ class LLMEngine:
         self._next_index = 0
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
+
+    def _prepare(self) -> None:
+        """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
+        self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
+        self.max_model_len = self._max_model_len()
+        self.continuous = self.config.scheduling == "continuous"
+        self.block_size = self.config.block_size
+        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
+                                                     on_cpu=self.runner.device.type != "cuda")
+        self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
+        """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and

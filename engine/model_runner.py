@@ -132,6 +132,9 @@ class ModelRunner:
 
         n = self.tensor_parallel_size
         check_architecture(hf_config)
+        if config.extra:
+            raise ModelLoadError(f"tensor_parallel_size {n} builds each shard itself: engine.extra "
+                                 f"({', '.join(sorted(config.extra))}) would not be applied; remove it")
         tensor_parallel.check_shardable(hf_config, n, checkpoint)
         if self.device.type == "cuda" and torch.cuda.device_count() < n:
             raise ModelLoadError(f"tensor_parallel_size {n} needs {n} visible GPUs, torch sees "

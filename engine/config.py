@@ -32,6 +32,10 @@ class EngineConfig:
     """Weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    tensor_parallel_size: int = 1
+    """Devices (one process each) the model is split over, by attention heads and MLP columns; the engine starts the other ranks itself: on CUDA the first N visible GPUs, on CPU N processes sharing the cores (vLLM's name)."""
+    distributed_timeout_s: float = 120.0
+    """With tensor_parallel_size > 1: the longest any collective waits (and the ranks' rendezvous), so a rank that dies or hangs fails the engine within it."""
     scheduling: str = "static"
     """Batching mode: static = batches run to completion; continuous = a finished row's slot is refilled at the next step."""
     max_num_batched_tokens: int | None = None
@@ -72,6 +76,11 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, (int, float))
+                or self.distributed_timeout_s <= 0):
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got "
+                             f"{self.distributed_timeout_s!r}")
         if self.max_prefill_tokens is not None:
             if self.max_num_batched_tokens is not None:
                 raise ValueError("set max_num_batched_tokens or its deprecated alias max_prefill_tokens, not both")
@@ -97,6 +106,9 @@ class EngineConfig:
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")
                 or self.device == "mps"):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.tensor_parallel_size > 1 and self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} runs on auto, cpu or cuda (ranks take "
+                             f"the first visible GPUs), not device {self.device!r}")
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:

@@ -7,6 +7,11 @@ class ModelLoadError(RuntimeError):
     """The model cannot be loaded; the message says why in one line."""
 
 
+class RankError(RuntimeError):
+    """A tensor-parallel rank process died, failed or timed out, and the engine has stopped all
+    of its ranks. A retry with a fresh engine can help (a job's actor restarts and redoes the shard)."""
+
+
 def one_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for one-line error reports."""
     text = str(exc).strip().splitlines()

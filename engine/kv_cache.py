@@ -70,6 +70,8 @@ class PagedKVCache(Cache):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_dtype = kv_dtype
+        self.key = 0
+        """Names this pool in the commands rank 0 sends the other tensor-parallel ranks."""
         self.meta: PassMetadata | None = None
         """Where the tokens of the pass being run go (set by the model runner before each forward)."""
         super().__init__(layers=[PagedLayer(self) for _ in range(num_layers)])

@@ -14,7 +14,6 @@ from engine.block_pool import BlockPool, hash_salt
 from engine.config import CPU_POOL_TOKENS, EngineConfig
 from engine.finish import finish_rows
 from engine.grammar import GrammarBackend
-from engine.kv_cache import PagedKVCache
 from engine.memory import keep_cpu_buffers, profile_pool_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import BatchStats, Completion
@@ -61,16 +60,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.config)
         if self.runner.device.type == "cpu":
             keep_cpu_buffers()
-        self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
-        self.max_model_len = self._max_model_len()
-        self.continuous = self.config.scheduling == "continuous"
-        self.block_size = self.config.block_size
-        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
-                                                     on_cpu=self.runner.device.type != "cuda")
-        num_blocks = self._pool_blocks()
-        self.cache = PagedKVCache(self.runner.num_layers, num_blocks, self.block_size, self.runner.kv_dtype)
-        """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
-        self.pool = BlockPool(num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
+        try:
+            self._prepare()
+        except BaseException:
+            self.runner.close()  # the ranks of an engine that never was
+            raise
+        self.pool = BlockPool(self.cache.num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
                               str(self.runner.kv_dtype), self.runner.quantization)
         """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
@@ -85,6 +80,28 @@ class LLMEngine:
         self.batch_stats: list[BatchStats] = []
         """Statistics of every batch run so far, in order."""
 
+    def _prepare(self) -> None:
+        """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
+        self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
+        self.max_model_len = self._max_model_len()
+        self.continuous = self.config.scheduling == "continuous"
+        self.block_size = self.config.block_size
+        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
+                                                     on_cpu=self.runner.device.type != "cuda")
+        self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
+        """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
+
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
+        interpreter exit stop them too."""
+        self.runner.close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def pool_tokens(self) -> int:
         """Token slots of the KV pool (max_batch_tokens as resolved)."""
@@ -93,12 +110,14 @@ class LLMEngine:
     @property
     def memory(self) -> dict:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
-        manifests and `batchinfer tune`. Pool bytes are computed before its first allocation."""
+        manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
+        With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
         per_token = self.cache.nbytes() // self.pool_tokens if self.cache.allocated else kv_bytes_per_token(
             self.runner)
         return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
                 "kv_bytes": per_token * self.pool_tokens, "weights_bytes": self.runner.weights_nbytes,
-                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype}
+                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype,
+                "tensor_parallel_size": self.config.tensor_parallel_size}
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -13,7 +13,6 @@ import sys
 
 import torch
 
-from engine.kv_cache import PagedKVCache
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
@@ -63,7 +62,7 @@ def profile_pool_blocks(llm) -> int:
         rows.append(n)
         tokens -= n
     blocks = sum(-(-n // bs) for n in rows)
-    probe = PagedKVCache(runner.num_layers, blocks, bs, runner.kv_dtype)
+    probe = runner.new_cache(blocks, bs)
     chunks, next_block = [], 0
     for i, n in enumerate(rows):
         seq = Sequence(index=i, prompt_token_ids=[0] * n, params=SamplingParams(max_tokens=1), seed=0)
@@ -76,6 +75,7 @@ def profile_pool_blocks(llm) -> int:
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     per_block = probe.nbytes() // blocks
+    runner.drop_cache(probe)
     del probe
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
+from engine import tensor_parallel
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, one_line
 from engine.kv_cache import PagedKVCache
-from engine.loader import load_model, load_tokenizer, read_config, resolve_model_dir
+from engine.loader import check_architecture, load_model, load_tokenizer, read_config, resolve_model_dir
+from engine.ranks import RankGroup, join_as_rank, rank_device
 from engine.quantization import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
@@ -69,14 +73,20 @@ class ModelRunner:
     position; attention (`engine.attention`, registered with transformers) reads each row's
     blocks, so no mask is built and no padding is computed."""
 
-    def __init__(self, config: EngineConfig):
-        self.device = resolve_device(config.device)
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.rank = rank
+        """This process's tensor-parallel rank (0: the engine's own, which samples)."""
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.ranks: RankGroup | None = None
+        """Rank 0's handle on the other ranks (tensor_parallel_size > 1), else None."""
+        self.device = rank_device(resolve_device(config.device), rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)
-        self.hf_tokenizer = load_tokenizer(config, self.model_dir)
+        self.hf_tokenizer = load_tokenizer(config, self.model_dir) if rank == 0 else None
         try:
-            checkpoint, loads_as = checkpoint_method(read_config(config, self.model_dir))
+            hf_config = read_config(config, self.model_dir)
+            checkpoint, loads_as = checkpoint_method(hf_config)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         self.checkpoint_quantization = checkpoint
@@ -84,9 +94,12 @@ class ModelRunner:
         self.quantization = resolve_method(config.quantization, checkpoint, loads_as, self.device)
         """The method the engine runs its linear layers with (None: the model's dtype)."""
         check_method(self.quantization, self.device)
-        self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint)
-        if self.quantization is not None:
-            quantize_model(self.model, self.quantization, self.dtype)
+        if self.tensor_parallel_size == 1:
+            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint)
+            if self.quantization is not None:
+                quantize_model(self.model, self.quantization, self.dtype)
+        else:
+            self.model = self._load_shard(config, hf_config, checkpoint)
         text_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = text_config.num_hidden_layers
         head = self.model.get_output_embeddings()
@@ -112,6 +125,44 @@ class ModelRunner:
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.graphs = None  # decode graphs over the paged pool: not captured yet (see README)
 
+    def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None):
+        """This rank's shard (quantized after sharding: each shard's own per-channel scales); rank 0
+        starts the other ranks first (after the checks that need none) and waits for their shards."""
+        from engine import attention
+
+        n = self.tensor_parallel_size
+        check_architecture(hf_config)
+        if config.extra:
+            raise ModelLoadError(f"tensor_parallel_size {n} builds each shard itself: engine.extra "
+                                 f"({', '.join(sorted(config.extra))}) would not be applied; remove it")
+        tensor_parallel.check_shardable(hf_config, n, checkpoint)
+        if self.device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ModelLoadError(f"tensor_parallel_size {n} needs {n} visible GPUs, torch sees "
+                                 f"{torch.cuda.device_count()}")
+        if self.rank == 0:
+            self.ranks = RankGroup.start(replace(config, model=str(self.model_dir), tokenizer=None), self.device,
+                                         rank_main)
+        try:
+            model = tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
+                                               self.device, self.rank, n, config.trust_remote_code)
+            if self.quantization is not None:
+                quantize_model(model, self.quantization, self.dtype)
+            tensor_parallel.add_all_reduce(model)
+            if self.ranks is not None:
+                self.ranks.wait_for("ready", None)  # loading a shard takes what it takes; a dead rank fails
+        except BaseException as exc:
+            if self.ranks is not None:
+                error = self.ranks.failure(exc, in_pass=False)
+                if error is not exc and isinstance(exc, Exception):
+                    raise error from exc
+            raise
+        return model
+
+    def close(self) -> None:
+        """Stops the other ranks (tensor_parallel_size > 1); idempotent."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -123,8 +174,36 @@ class ModelRunner:
 
     # -- forward passes -----------------------------------------------------------------------
 
+    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A KV pool of this rank (its KV heads' share of every token)."""
+        return PagedKVCache(self.num_layers, num_blocks, block_size, self.kv_dtype)
+
+    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A KV pool, created on every rank (`key` names it in their commands)."""
+        cache = self.make_cache(num_blocks, block_size)
+        if self.ranks is not None:
+            cache.key = self.ranks.new_key()
+            self.ranks.send("cache", cache.key, num_blocks, block_size)
+        return cache
+
+    def drop_cache(self, cache: PagedKVCache) -> None:
+        if self.ranks is not None:
+            self.ranks.send("drop", cache.key)
+
+    def copy_block(self, cache: PagedKVCache, src: int, dst: int) -> None:
+        """Block dst of the pool becomes a copy of block src, on every rank."""
+        if self.ranks is not None:
+            self.ranks.send("copy", cache.key, src, dst)
+        cache.copy_block(src, dst)
+
     def metadata(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[PassMetadata, list[int], np.ndarray]:
         """The pass's pool addressing, plus its input tokens (a host list) and positions."""
+        plan = self.plan(chunks, block_size)
+        return self._device_metadata(plan), plan.tokens, plan.positions
+
+    def plan(self, chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
+             all_logits: bool = False) -> PassPlan:
+        """Everything a forward pass over `chunks` needs, as host arrays (sent to the other ranks)."""
         n = len(chunks)
         counts = np.fromiter((c.count for c in chunks), dtype=np.int64, count=n)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
@@ -141,47 +220,131 @@ class ModelRunner:
         slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         long = counts >= CHUNK_MIN_TOKENS
         spans = [(int(first[r]), int(first[r] + counts[r]), r, int(starts[r])) for r in np.flatnonzero(long).tolist()]
+        if keep is None and not all_logits:
+            ends = np.cumsum(counts) - 1
+            keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
+        long_tokens = None
+        if self.longrope is not None:
+            flags = np.repeat([c.seq.num_tokens > self.longrope.original for c in chunks], counts)
+            long_tokens = flags if flags.any() else None
+        return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
+                        max_ctx=int((starts + counts).max()),
+                        small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
+                        tokens=tokens, positions=positions, keep=None if all_logits else keep,
+                        long_tokens=long_tokens)
+
+    def _device_metadata(self, plan: PassPlan) -> PassMetadata:
         dev = self.device
-        small = None
-        if spans:
-            small = torch.from_numpy(np.flatnonzero(np.repeat(~long, counts))).to(dev)
-        meta = PassMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            token_row=torch.from_numpy(rows.astype(np.int32)).to(dev),
-            ctx=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
-            max_ctx=int((starts + counts).max()),
-            small=small,
-            chunks=spans)
-        return meta, tokens, positions
+        return PassMetadata(
+            slot_mapping=torch.from_numpy(plan.slots).to(dev), block_tables=torch.from_numpy(plan.tables).to(dev),
+            token_row=torch.from_numpy(plan.rows).to(dev), ctx=torch.from_numpy(plan.ctx).to(dev),
+            max_ctx=plan.max_ctx, small=None if plan.small is None else torch.from_numpy(plan.small).to(dev),
+            chunks=plan.spans)
 
     @torch.inference_mode()
     def run(self, cache: PagedKVCache, chunks: list[ScheduledChunk], keep: list[int] | None = None,
             all_logits: bool = False) -> torch.Tensor | None:
-        """One forward pass over `chunks`. Returns float32 logits (k, V) at the last token of
-        each chunk that samples (or at token indices `keep`), or (T, V) with all_logits."""
-        meta, tokens, positions = self.metadata(chunks, cache.block_size)
-        if keep is None and not all_logits:
-            ends = np.cumsum([c.count for c in chunks]) - 1
-            keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
-            if not keep:
-                keep = []
+        """One forward pass over `chunks` (on every rank). Returns float32 logits (k, V) at the last
+        token of each chunk that samples (or at token indices `keep`), or (T, V) with all_logits."""
+        plan = self.plan(chunks, cache.block_size, keep, all_logits)
+        if self.ranks is None:
+            return self.forward(cache, plan)
+        self.ranks.send("run", cache.key, plan)
+        try:
+            return self.forward(cache, plan)
+        except BaseException as exc:  # the ranks are mid-pass or gone: none can be resumed
+            error = self.ranks.failure(exc)
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C stays a KeyboardInterrupt (the ranks are stopped all the same)
+            raise error from exc
+
+    @torch.inference_mode()
+    def forward(self, cache: PagedKVCache, plan: PassPlan) -> torch.Tensor | None:
+        """The pass of `plan` on this rank's shard; logits on rank 0 (None on the others, or
+        when no token is kept)."""
+        meta = self._device_metadata(plan)
+        keep = plan.keep
         cache.meta = meta
         if self.longrope is not None:
-            flags = np.repeat([c.seq.num_tokens > self.longrope.original for c in chunks], [c.count for c in chunks])
-            self.longrope.long_tokens = torch.from_numpy(flags).to(self.device) if flags.any() else None
+            self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
+                plan.long_tokens).to(self.device)
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
-                  "position_ids": torch.from_numpy(positions[None]).to(self.device)}
-        index = None if all_logits else torch.tensor(keep, dtype=torch.int64, device=self.device)
+                  "position_ids": torch.from_numpy(plan.positions[None]).to(self.device)}
+        index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
         if index is not None and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = index if len(keep) else torch.zeros(1, dtype=torch.int64, device=self.device)
-        input_ids = torch.tensor([tokens], device=self.device)
+        input_ids = torch.tensor([plan.tokens], device=self.device)
         try:
             logits = self.model(input_ids=input_ids, **kwargs).logits[0]
         finally:
             cache.meta = None
+        if self.rank or (index is not None and not len(keep)):
+            return None
         if index is not None and not self._takes_logits_to_keep:
             logits = logits[index]
-        if index is not None and not len(keep):
-            return None
         return logits.float()
+
+
+@dataclass
+class PassPlan:
+    """One forward pass as host arrays: what rank 0 sends every other rank (pickled)."""
+
+    slots: np.ndarray
+    """(T,) int64: pool slot of each token's keys and values."""
+    tables: np.ndarray
+    """(R, max_blocks) int32: each row's blocks."""
+    rows: np.ndarray
+    """(T,) int32: the row of each token."""
+    ctx: np.ndarray
+    """(T,) int32: positions each token attends to."""
+    max_ctx: int
+    """Largest ctx."""
+    small: np.ndarray | None
+    """Tokens of the per-token attention path; None = all."""
+    spans: list
+    """(first token, end, row, start position) of each long chunk."""
+    tokens: list[int]
+    """(T,) input token ids."""
+    positions: np.ndarray
+    """(T,) int64: each token's position in its row."""
+    keep: list[int] | None
+    """Token indices whose logits are returned; None = all of them."""
+    long_tokens: np.ndarray | None
+    """(T,) bool: tokens past LongRoPE's original length (None: none, or no LongRoPE)."""
+
+
+def rank_main(config: EngineConfig, rank: int, port: int, conn, parent: int, threads: int) -> None:
+    """A tensor-parallel rank's process (spawned by rank 0): loads its shard, then runs rank 0's
+    commands until told to close or rank 0 is gone. A failure is sent to rank 0, which names it."""
+    try:
+        conn.send(("hello", None))
+        join_as_rank(config, rank, port, parent, threads, rank_device(resolve_device(config.device), rank))
+        runner = ModelRunner(config, rank=rank)
+        conn.send(("ready", None))
+        serve(runner, conn)
+    except (EOFError, KeyboardInterrupt):  # rank 0 is gone, or Ctrl-C reached the process group
+        pass
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            conn.send(("error", one_line(exc)))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)  # no interpreter teardown: a collective's thread must not keep a finished rank alive
+
+
+def serve(runner: ModelRunner, conn) -> None:
+    """Runs rank 0's commands until it says close (or its pipe closes: EOFError)."""
+    caches: dict[int, PagedKVCache] = {}
+    while True:
+        command, *args = conn.recv()
+        if command == "run":
+            runner.forward(caches[args[0]], args[1])
+        elif command == "cache":
+            caches[args[0]] = runner.make_cache(*args[1:])
+        elif command == "drop":
+            caches.pop(args[0], None)
+        elif command == "copy":
+            caches[args[0]].copy_block(*args[1:])
+        elif command == "close":
+            return

@@ -101,7 +101,7 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
                                 params=SamplingParams(max_tokens=1), seed=0)
                 fork.block_ids = pool.table(seq.block_ids[:full], fork.num_tokens)
                 if len(seq.prompt_token_ids) % bs:
-                    llm.cache.copy_block(seq.block_ids[full], fork.block_ids[full])
+                    runner.copy_block(llm.cache, seq.block_ids[full], fork.block_ids[full])
                 forks.append(fork)
                 work.append((i, j, fork))
         per_pass = max(1, min(llm.max_num_batched_tokens, LOGITS_BYTES // (runner.vocab_size * 4)))

@@ -17,7 +17,8 @@ from engine.errors import one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
 from pipeline.run import chaos
-from pipeline.tasks import cached_tokens, empty_device_cache, is_out_of_memory, output_table, start_engine
+from pipeline.tasks import (cached_tokens, empty_device_cache, is_out_of_memory, output_table, start_engine,
+                            stop_engine)
 
 if TYPE_CHECKING:
     from pipeline.spec import Job
@@ -147,6 +148,7 @@ class ShardWorker(EngineActor):
         budget = self._pool_tokens() // 2
         self.engine_config = replace(self.engine_config, max_batch_tokens=budget)
         log.warning("out of memory on a shard: rebuilding the engine with max_batch_tokens=%d", budget)
+        stop_engine(self.engine)  # its tensor-parallel ranks, and their memory, go before the new one loads
         self.engine = self.tasks = None  # let the old engine's memory go before the new one loads
         gc.collect()
         empty_device_cache()

@@ -143,7 +143,8 @@ class ReportSpec(_Section):
 
 class WorkersSpec(_Section):
     num: int = Field(1, ge=1, description="Engine actors (one model copy each).")
-    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU).")
+    gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = run on CPU); with engine.tensor_parallel_size N "
+                        "on GPU it must be N, its default when unset with engine.device cuda.")
     cpus: float = Field(0.5, gt=0, description="CPUs per actor; fractional on CPU so reads can still be scheduled.")
     rows_per_batch: int | None = Field(
         None, ge=1, description="Most rows in one shard (the unit of work, commit and resume); None = shards are "
@@ -185,6 +186,7 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _task_checks(self):
         check_task(self)
+        check_gpus(self)
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -222,8 +224,21 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
                 ("sampling", "n"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
-EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens")
+EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
+                    "distributed_timeout_s")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""
+
+
+def check_gpus(spec: JobSpec) -> None:
+    """With engine.tensor_parallel_size N on GPU an actor holds one GPU per rank: workers.gpus is N,
+    and becomes N when left unset with engine.device cuda."""
+    n, workers = spec.engine.tensor_parallel_size, spec.workers
+    if "gpus" not in workers.model_fields_set and spec.engine.device.startswith("cuda"):
+        workers.gpus = float(n)
+    if n > 1 and workers.gpus and workers.gpus != n:
+        raise ValueError(f"workers.gpus {workers.gpus:g} with engine.tensor_parallel_size {n}: an actor needs one GPU "
+                         f"per rank; set workers.gpus: {n} (or 0 to run the ranks on CPU), or leave it unset with "
+                         "engine.device: cuda")
 
 
 def check_task(spec: JobSpec) -> None:

@@ -37,6 +37,13 @@ def build_engine(config: EngineConfig):
     return LLMEngine(config)
 
 
+def stop_engine(engine) -> None:
+    """Stops an engine's rank processes (tensor_parallel_size > 1) before it is dropped."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation failure: torch.OutOfMemoryError (CUDA, MPS) or a host allocator's RuntimeError."""
     import torch

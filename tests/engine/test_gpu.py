@@ -54,3 +54,18 @@ def test_graphs_give_the_same_tokens_as_eager(dtype, tiny_model_dir):
         assert same == len(PROMPTS)
     else:  # bf16 kernels may differ in the last bit between captured and eager runs; report, don't fail
         assert same >= len(PROMPTS) // 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 CUDA devices")
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_tensor_parallel_over_nccl_gives_one_devices_tokens(arch, tiny_model_dir):
+    path = tiny_model_dir(arch)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    config = dict(model=str(path), device="cuda", dtype="float32", max_batch_tokens=2048, max_num_seqs=8)
+    one = LLMEngine(EngineConfig(**config)).generate(PROMPTS, params)
+    with LLMEngine(EngineConfig(**config, tensor_parallel_size=2)) as two:
+        assert two.runner.ranks.pids and two.runner.device == torch.device("cuda", 0)
+        outs = two.generate(PROMPTS, params)
+    for a, b in zip(one, outs):
+        assert b.token_ids == a.token_ids
+        assert max(abs(x[t] - y[t]) for x, y in zip(a.logprobs, b.logprobs) for t in x) < 1e-3

@@ -158,3 +158,26 @@ def test_every_config_validates_with_torch_and_transformers_blocked():
     out = subprocess.run([sys.executable, "-c", BLOCKED], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == [str(len(list((root / "configs").glob("*.yaml")))), "ok"], \
         out.stderr[-3000:]
+
+
+def test_tensor_parallel_gpus_default_to_one_per_rank_on_cuda():
+    assert spec("engine.tensor_parallel_size=2", "engine.device=cuda").workers.gpus == 2
+    assert spec("engine.tensor_parallel_size=2", "workers.gpus=2").workers.gpus == 2
+    assert spec("engine.tensor_parallel_size=2").workers.gpus == 0  # on CPU the ranks share the actor's cores
+    assert spec("engine.tensor_parallel_size=2", "engine.device=cuda", "workers.gpus=0").workers.gpus == 0
+
+
+@pytest.mark.parametrize("gpus", ["1", "0.5", "4"])
+def test_tensor_parallel_gpus_other_than_one_per_rank_are_refused_in_one_line(gpus):
+    with pytest.raises(SpecError) as err:
+        spec("engine.tensor_parallel_size=2", f"workers.gpus={gpus}")
+    assert str(err.value) == (f"invalid job spec: workers.gpus {float(gpus):g} with engine.tensor_parallel_size 2: "
+                              "an actor needs one GPU per rank; set workers.gpus: 2 (or 0 to run the ranks on CPU), "
+                              "or leave it unset with engine.device: cuda")
+
+
+def test_tensor_parallel_settings_never_change_the_fingerprint():
+    base = spec().fingerprint()
+    assert spec("engine.tensor_parallel_size=2", "engine.distributed_timeout_s=30").fingerprint() == base
+    with pytest.raises(SpecError, match="engine.tensor_parallel_size: tensor_parallel_size must be a positive"):
+        spec("engine.tensor_parallel_size=0")

@@ -78,3 +78,10 @@ def test_row_ids_seed_sampling_so_a_prompt_samples_the_same_tokens():
     assert row_id({"id": 7, "prompt": "same"}) == "7"
     chat = [{"role": "user", "content": "hi"}]
     assert row_id({"messages": chat, "prompt": None}) == row_id({"messages": chat}) != row_id({"prompt": "hi"})
+
+
+def test_tensor_parallel_size_is_accepted_and_checked_against_the_gpus():
+    processor = build_processor({"engine": {"tensor_parallel_size": 2, "device": "cuda"}})
+    assert processor.spec.engine.tensor_parallel_size == 2 and processor.spec.workers.gpus == 2
+    with pytest.raises(SpecError, match=r"workers.gpus 1 with engine.tensor_parallel_size 2: an actor needs one GPU"):
+        build_processor({"engine": {"tensor_parallel_size": 2}, "workers": {"gpus": 1}})

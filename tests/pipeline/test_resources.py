@@ -29,3 +29,14 @@ def test_an_autoscaler_helps_only_with_a_node_type_that_fits():
     assert scalable(need, [CPU_NODE, GPU_NODE]) is False
     assert scalable(need, [{"CPU": 8.0, "GPU": 4.0}]) is True
     assert scalable(need, []) is False
+
+
+def test_a_tensor_parallel_actor_asks_for_one_gpu_per_rank_of_one_node():
+    from pipeline.spec import JobSpec
+
+    spec = JobSpec(input={"path": "-"}, output={"path": "-"}, engine={"tensor_parallel_size": 2, "device": "cuda"})
+    need = actor_request(spec.workers)
+    assert need["GPU"] == 2.0
+    assert shortfall(need, [GPU_NODE, GPU_NODE]) == ("GPU", 1.0)  # two 1-GPU nodes do not hold one actor
+    assert describe(need, ("GPU", 1.0)) == (
+        "workers.gpus=2: no node of the Ray cluster has 2 GPU for one engine actor (most on one node: 1)")

@@ -1,0 +1,202 @@
+"""Loading one rank's shard of a model for tensor parallelism, and the all-reduce after its
+row-parallel layers.
+
+Which linear layers split, and how, comes from the architecture's transformers `tp_plan`
+(`base_model_tp_plan`): `colwise` layers (Q, K, V by heads; gate and up) keep 1/N of their
+output rows, `rowwise` layers (o_proj, down_proj) 1/N of their input columns, and the partial
+sums of a decoder layer's attention and MLP are all-reduced. Phi-3's fused `qkv_proj` and
+`gate_up_proj` (planned `colwise_gather_output` in transformers, which gathers them whole) are
+split inside each of their sections instead, so every rank holds 1/N of them too.
+
+A rank builds the model from a config whose head counts and intermediate size are divided by
+N (the modeling code then allocates shards of the right shape), and reads only its slices
+from the safetensors files (`safe_open(...).get_slice`). The embedding is replicated (a lookup
+of one row per token); the LM head is kept whole on rank 0 alone, which samples: no gather of
+logits, and the other ranks skip its matmul.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+
+STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "replicated"}
+"""tp_plan styles the engine shards as planned."""
+FUSED = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+"""Fused projections split inside each of their sections (whatever their planned style)."""
+FUSED_ROW = {"o_proj", "down_proj"}
+"""Row-parallel layers that follow a fused projection (planned rowwise_split_input)."""
+
+
+def linear_styles(hf_config, n: int) -> dict[str, str]:
+    """{module name pattern: column | row | replicated | qkv | gate_up} from the tp_plan; a
+    one-line ModelLoadError for an architecture it cannot shard."""
+    text = hf_config.get_text_config(decoder=True)
+    archs = ", ".join(getattr(hf_config, "architectures", None) or [getattr(text, "model_type", "?")])
+    plan = getattr(text, "base_model_tp_plan", None)
+    if text is not hf_config or not plan:
+        raise ModelLoadError(f"tensor_parallel_size {n}: {archs} is not supported (it has no tensor-parallel plan "
+                             "for its decoder)")
+    styles = {}
+    for pattern, style in plan.items():
+        leaf = pattern.rsplit(".", 1)[-1]
+        kind = FUSED.get(leaf) or STYLES.get(style)
+        if kind is None and style == "rowwise_split_input" and leaf in FUSED_ROW:
+            kind = "row"
+        if kind is None:
+            raise ModelLoadError(f"tensor_parallel_size {n}: {archs} is not supported (its {leaf} is planned "
+                                 f"{style!r}, which the engine does not shard)")
+        styles[pattern] = kind
+    return styles
+
+
+def check_divisible(hf_config, n: int) -> None:
+    """A one-line ModelLoadError naming every size that tensor_parallel_size does not divide."""
+    text = hf_config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+             "intermediate_size": text.intermediate_size}
+    bad = [f"{name} {value}" for name, value in sizes.items() if value % n]
+    if bad:
+        raise ModelLoadError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}")
+
+
+def check_shardable(hf_config, n: int, checkpoint_quantization: str | None) -> dict[str, str]:
+    """Everything refused before any rank starts: the architecture, the sizes, the checkpoint."""
+    styles = linear_styles(hf_config, n)
+    check_divisible(hf_config, n)
+    if checkpoint_quantization:
+        raise ModelLoadError(f"tensor_parallel_size {n} cannot load a {checkpoint_quantization} checkpoint (it is "
+                             "dequantized whole at load); use its unquantized weights with quantization: int8")
+    return styles
+
+
+def rank_config(hf_config, n: int):
+    """The config of one rank's shard: heads and intermediate size divided by n, head_dim explicit."""
+    cfg = copy.deepcopy(hf_config)
+    heads = cfg.num_attention_heads
+    cfg.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    cfg.num_key_value_heads = (getattr(cfg, "num_key_value_heads", None) or heads) // n
+    cfg.num_attention_heads = heads // n
+    cfg.intermediate_size //= n
+    return cfg
+
+
+class NoHead(nn.Module):
+    """The LM head of a rank other than 0: no weight, zero logits per token (rank 0 samples)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.out_features = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :0]
+
+
+def load_shard(model_dir: Path, hf_config, attn_implementation: str, dtype: torch.dtype, device: torch.device,
+               rank: int, n: int, trust_remote_code: bool = False):
+    """Rank `rank`'s shard of the model (of n) in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    styles = check_shardable(hf_config, n, None)
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(rank_config(hf_config, n), dtype=dtype,
+                                                 attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    if rank:
+        model.set_output_embeddings(NoHead(hf_config.vocab_size))
+    _read_weights(model, model_dir, hf_config, styles, rank, n)
+    if (model_dir / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval()
+
+
+def _read_weights(model, model_dir: Path, hf_config, styles: dict[str, str], rank: int, n: int) -> None:
+    from safetensors import safe_open
+
+    where = _weight_map(model_dir)
+    handles = {}
+    patterns = [(re.compile(r"(^|\.)" + re.escape(p).replace(r"\*", r"\d+") + r"\.(weight|bias)$"), kind)
+                for p, kind in styles.items()]
+    sections = _sections(hf_config)
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in where:
+                if tied and name == "lm_head.weight":
+                    continue
+                raise ModelLoadError(f"{model_dir}: no tensor {name} in the safetensors files")
+            file = where[name]
+            if file not in handles:
+                handles[file] = safe_open(str(model_dir / file), framework="pt", device="cpu")
+            kind = next((k for rx, k in patterns if rx.search(name)), "replicated")
+            part = _slice(handles[file].get_slice(name), kind, name.endswith(".bias"), sections, rank, n)
+            if part.shape != param.shape:
+                raise ModelLoadError(f"tensor_parallel_size {n}: {name} shards to {tuple(part.shape)} but the "
+                                     f"rank's model holds {tuple(param.shape)}")
+            param.copy_(part.to(param.dtype))
+
+
+def _weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    from safetensors import safe_open
+
+    where = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            where.update(dict.fromkeys(f.keys(), path.name))
+    if not where:
+        raise ModelLoadError(f"tensor parallelism reads safetensors weights: none in {model_dir}")
+    return where
+
+
+def _sections(hf_config) -> dict[str, list[int]]:
+    """Output rows of each section of the fused projections."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    inter = hf_config.intermediate_size
+    return {"qkv": [heads * hd, kv * hd, kv * hd], "gate_up": [inter, inter]}
+
+
+def _slice(view, kind: str, bias: bool, sections: dict[str, list[int]], rank: int, n: int) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor (read from the file: only the slice)."""
+    shape = view.get_shape()
+    if kind == "replicated":
+        return view[:]
+    if kind == "row":
+        if bias:  # added once, after the all-reduce sums the ranks' partial products
+            return view[:] if rank == 0 else torch.zeros_like(view[:])
+        k = shape[1] // n
+        return view[:, rank * k:(rank + 1) * k]
+    parts, offset = [], 0
+    for size in sections.get(kind, [shape[0]]):
+        step = size // n
+        parts.append(view[offset + rank * step: offset + (rank + 1) * step])
+        offset += size
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def add_all_reduce(model) -> None:
+    """Sums each decoder layer's attention and MLP outputs over the ranks (their row-parallel
+    output projections leave partial sums)."""
+    for layer in model.get_decoder().layers:
+        for part in (layer.self_attn, layer.mlp):
+            part.register_forward_hook(_all_reduce_output)
+
+
+def _all_reduce_output(module, args, output):
+    import torch.distributed as dist
+
+    dist.all_reduce(output[0] if isinstance(output, tuple) else output)
+    return output

@@ -1,0 +1,122 @@
+"""tensor_parallel_size=2 on CPU (gloo): the same tokens and logits as one process, on shards.
+
+Starting ranks costs seconds, so each architecture's pair of engines is built once per module."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ModelLoadError
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 3, "abc", "Hello there, and more"]
+LOGPROB_TOL = 1e-4
+"""Largest difference of a logprob between one process and two (fp32; the all-reduce sums in another order)."""
+
+
+def config(path, n: int, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), max_batch_tokens=1024, max_num_seqs=8, tensor_parallel_size=n, **kw)
+
+
+@pytest.fixture(scope="module", params=[("llama", "continuous"), ("qwen2", "static"), ("phi3", "continuous")],
+                ids=lambda p: "-".join(p))
+def engines(request, tiny_model_dir):
+    """(architecture, TP=1 engine, TP=2 engine), both in the same scheduling mode: llama and
+    qwen2 with GQA (qwen2 with Q/K/V biases), phi3 with fused qkv and gate_up projections split
+    inside their sections. Prefix caching is on (the default)."""
+    arch, mode = request.param
+    path = tiny_model_dir(arch)
+    one = LLMEngine(config(path, 1, scheduling=mode))
+    two = LLMEngine(config(path, 2, scheduling=mode))
+    yield arch, one, two
+    two.close()
+
+
+def test_greedy_tokens_and_logprobs_equal_one_process(engines):
+    arch, one, two = engines
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    for a, b in zip(one.generate(PROMPTS, params), two.generate(PROMPTS, params)):
+        assert b.token_ids == a.token_ids, arch
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys(), arch
+            assert max(abs(step_a[t] - step_b[t]) for t in step_a) < LOGPROB_TOL, arch
+
+
+def test_seeded_sampling_equals_one_process(engines):
+    arch, one, two = engines
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i) for i in range(len(PROMPTS))]
+    assert [c.token_ids for c in two.generate(PROMPTS, params)] == [c.token_ids for c in one.generate(PROMPTS, params)]
+
+
+def test_choice_scores_equal_one_process(engines):
+    """Scoring forks copy a partial prompt block: the copy runs on every rank's pool."""
+    arch, one, two = engines
+    prompts, choices = ["The answer is", "Pick one of"], [[" yes", " no", " maybe"], [" red", " blue"]]
+    for a, b in zip(one.score_choices(prompts, choices), two.score_choices(prompts, choices)):
+        assert b.num_tokens == a.num_tokens
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < LOGPROB_TOL * 10
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads(engines):
+    arch, one, two = engines
+    two.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    one.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    assert two.cache.allocated and one.cache.allocated
+    assert two.pool_tokens == one.pool_tokens  # max_batch_tokens stays the pool's tokens
+    assert two.cache.nbytes() * 2 == one.cache.nbytes()
+    assert two.runner.weights_nbytes < one.runner.weights_nbytes
+
+
+def test_close_stops_every_rank(engines):
+    arch, one, two = engines
+    pids = two.runner.ranks.pids
+    two.close()
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_sizes_that_do_not_divide_are_refused_in_one_line(tiny_model_dir):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ModelLoadError) as err:
+        LLMEngine(config(tiny_model_dir("llama"), 3))
+    message = str(err.value)
+    assert message == ("tensor_parallel_size 3 does not divide the model's num_attention_heads 4, "
+                       "num_key_value_heads 2, intermediate_size 128")
+    assert set(multiprocessing.active_children()) <= before  # refused before any rank started
+
+
+def test_kv_heads_fewer_than_ranks_are_refused(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.builtin import byte_tokenizer
+
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size 2 does not divide the model's "
+                                             r"num_key_value_heads 1$"):
+        LLMEngine(config(tmp_path, 2))
+
+
+def test_an_architecture_without_a_plan_is_refused_in_one_line(tiny_model_dir):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size 2: GPT2LMHeadModel is not supported "
+                                             r"\(it has no tensor-parallel plan for its decoder\)$"):
+        LLMEngine(config(tiny_model_dir("gpt2"), 2))
+    assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_tensor_parallel_size_is_validated(bad):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=bad)
+
+
+def test_a_numbered_cuda_device_is_refused_with_ranks():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 runs on auto, cpu or cuda"):
+        EngineConfig(tensor_parallel_size=2, device="cuda:1")

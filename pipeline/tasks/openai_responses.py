@@ -123,7 +123,7 @@ def output_lines(rows: list[dict], ids: list[str], results: list[RowResult], *, 
     `default_logprobs`: the spec's sampling.logprobs; `tokenizer` decodes logprob tokens."""
     lines = []
     for row, row_id, result in zip(rows, ids, results):
-        if result.finish_reason == "error":
+        if result.failed:  # an incomplete structured output is of no use to the caller either
             custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
             code = GENERATION_ERROR if result.ran else INVALID_REQUEST
             line = error_line(custom_id if openai_input else row_id, code, result.error or "", row_id=row_id)

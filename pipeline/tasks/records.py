@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipeline.spec import SCORE_PREFIX
+from pipeline.spec import SCORE_PREFIX, is_failed
 
 if TYPE_CHECKING:
     from pipeline.tasks.openai_requests import BatchRequest
@@ -37,6 +37,8 @@ class RowResult:
     """Choice scoring: each choice's summed log-likelihood after the prompt."""
     label_logprobs_per_token: list[float] | None = None
     """Choice scoring: each choice's mean log-likelihood per token."""
+    label_fields: dict | None = None
+    """label.json_schema: the generated object (its top-level properties), None when the row failed."""
     scores: dict[str, float | None] = field(default_factory=dict)
     """eval: score_<metric> column -> 1.0, 0.0 or None (unscored)."""
     ran: bool = False
@@ -45,6 +47,11 @@ class RowResult:
     """The OpenAI Batch request the row came from (input.format openai_batch), else None."""
     logprobs: list[dict[int, float]] | None = None
     """Per generated token, {token id: logprob}, chosen token first, when sampling asked for logprobs."""
+
+    @property
+    def failed(self) -> bool:
+        """The row counts as an error: it failed, or its structured output is incomplete."""
+        return is_failed(self.finish_reason, self.error)
 
     def column(self, name: str):
         """The value of output column `name`."""

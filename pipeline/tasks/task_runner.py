@@ -2,22 +2,28 @@
 
 generate  prompt -> text.
 label     prompt -> one of `choices`, picked by the log-likelihood of each choice after the
-          prompt (no sampling), or generated text parsed with `label_regex`.
+          prompt (no sampling), generated text parsed with `label_regex`, or a JSON object
+          generated under `json_schema` (its properties also in the label_fields struct).
 eval      generate (or label), then score each row against its reference (`score_<metric>`
           columns); pipeline.run.metrics aggregates the committed scores into metrics.json.
 
 Prompts come from a column, a template, chat messages (rendered with the model's chat
-template) or OpenAI Batch request lines. Every problem with one row becomes that row's error.
+template) or OpenAI Batch request lines. Every problem with one row becomes that row's error; a
+constrained row cut by max_tokens keeps finish_reason "length" and gets the error INCOMPLETE.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
+from pipeline.spec import INCOMPLETE, is_failed
 from pipeline.tasks import scoring
+from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
 from pipeline.tasks.prompts import PromptBuilder
@@ -48,14 +54,18 @@ class TaskRunner:
         sampling = spec.sampling.model_dump()
         seed = sampling.pop("seed")
         self.base_seed = spec.seed if seed is None else seed
-        self.sampling = sampling
         label = spec.label
         labeling = self.task in ("label", "eval")
+        self.label_schema = label.json_schema if labeling else None
+        so = spec.sampling.structured_outputs
+        sampling["structured_outputs"] = so.params() if so is not None else (
+            StructuredOutputsParams(json=self.label_schema) if self.label_schema is not None else None)
+        self.sampling = sampling
         self.choices = label.choices if labeling else None
         self.choices_column = label.choices_column if labeling else None
         self.scoring = bool(self.choices or self.choices_column)
         self.label_regex = re.compile(label.label_regex) if labeling and label.label_regex else None
-        self.labels = self.scoring or self.label_regex is not None
+        self.labels = self.scoring or self.label_regex is not None or self.label_schema is not None
 
     # -- rows -> records ------------------------------------------------------------------------
 
@@ -67,11 +77,17 @@ class TaskRunner:
             self._score(rows, todo, prompts, errors, results)
         else:
             completions = self.engine.generate(prompts, params) if prompts else []
-            for i, c, req in zip(todo, completions, requests):
+            for i, c, req, sp in zip(todo, completions, requests, params):
+                # a constraint that did not compile is the request's fault: the engine never ran it
+                ran = not (c.finish_reason == "error" and (c.error or "").startswith("structured_outputs"))
                 results[i] = RowResult(c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error,
-                                       ran=True, request=req, logprobs=c.logprobs)
+                                       ran=ran, request=req, logprobs=c.logprobs)
+                if sp.structured_outputs is not None and c.finish_reason == "length":
+                    results[i].error = INCOMPLETE  # "length" on a constrained row: the structure never closed
                 if self.label_regex is not None:
                     self._parse_label(c, results[i])
+                elif self.label_schema is not None:
+                    self._parse_fields(c, results[i], self.label_schema)
         for i, result in enumerate(results):
             if result is None:
                 results[i] = RowResult(error=errors[i])
@@ -154,7 +170,7 @@ class TaskRunner:
         return " " if isinstance(prompt, str) and not prompt[-1:].isspace() else ""
 
     def _parse_label(self, c, result: RowResult) -> None:
-        if c.finish_reason == "error":
+        if result.failed:
             return
         match = self.label_regex.search(c.text)
         if match is None:
@@ -162,13 +178,30 @@ class TaskRunner:
             return
         result.label = match.group(1) if self.label_regex.groups else match.group(0)
 
+    @staticmethod
+    def _parse_fields(c, result: RowResult, schema: dict) -> None:
+        """label.json_schema: the label is the generated object's JSON text, label_fields its
+        properties typed for the column (a value that does not fit leaves them null, with a note)."""
+        if result.failed:
+            return
+        try:
+            obj = json.loads(c.text)
+        except ValueError as exc:  # the grammar makes this unreachable; never write a label that does not parse
+            result.finish_reason, result.error = "error", f"the generated label is not JSON: {exc}"
+            return
+        result.label = c.text
+        try:
+            result.label_fields = field_values(obj if isinstance(obj, dict) else None, fields_type(schema))
+        except ValueError as exc:
+            result.error = str(exc)
+
     # -- eval -----------------------------------------------------------------------------------
 
     def _add_scores(self, rows, results: list[RowResult]) -> None:
         ev = self.spec.eval
         normalize = ev.normalize.model_dump()
         refs = [row.get(ev.reference_column) for row in rows]
-        failed = [r.finish_reason == "error" for r in results]
+        failed = [is_failed(r.finish_reason, r.error) for r in results]
         text_metrics = [m for m in ev.metrics if m != "accuracy"]
         columns = {}
         if text_metrics:

@@ -18,7 +18,7 @@ def test_defaults_come_from_the_engine_dataclasses():
     for name in s.sampling.model_fields:
         assert getattr(s.sampling, name) == getattr(SamplingParams(), name)
     assert set(s.sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {
-        "n", "structured_outputs"}  # engine-only until the job writes a row per sample
+        "n"}  # engine-only until the job writes a row per sample
     for name in s.engine.model_fields:
         assert getattr(s.engine, name) == getattr(EngineConfig(), name)
     assert s.model == "builtin:tiny" and s.workers.cpus < 1

@@ -339,6 +339,9 @@ def field_reference() -> list[tuple[str, str, str, str]]:
                 continue
             default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
             rows.append((key, _type_name(ann), default, info.description or ""))
+            optional = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if optional:  # an optional section (structured_outputs): its own keys too
+                walk(optional[0], key + ".")
 
     walk(JobSpec, "")
     return rows

@@ -21,8 +21,8 @@ _SIMPLE = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
 
 
 def fields_type(schema: dict) -> pa.StructType:
-    """The Arrow struct type of `schema`'s top-level properties."""
-    return _cached(json.dumps(schema, sort_keys=True))
+    """The Arrow struct type of `schema`'s top-level properties, in their order."""
+    return _cached(json.dumps(schema))  # not sorted: the fields keep the order of the properties
 
 
 @lru_cache(maxsize=32)

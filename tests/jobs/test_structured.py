@@ -209,3 +209,12 @@ def test_a_job_whose_structured_rows_are_cut_fails_on_max_error_rate(tmp_path):
     assert [(r["finish_reason"], r["error"]) for r in rows] == [("length", INCOMPLETE)] * 3
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["errors"] == 3
     assert Path(tmp_path / "out" / "_job.json").exists()
+
+
+def test_build_processor_reads_schema_files_too(tmp_path, monkeypatch):
+    from pipeline import build_processor
+
+    (tmp_path / "r.json").write_text(json.dumps(REVIEW))
+    monkeypatch.chdir(tmp_path)
+    processor = build_processor({"task": "label", "label": {"json_schema": "r.json"}})
+    assert processor.spec.label.json_schema == REVIEW

@@ -3,10 +3,21 @@ text), one matcher per constrained row, a token bitmask filled for constrained r
 applied to the logits on the device before sampling.
 
 JSON is generated compact (no free whitespace), so a weak model cannot pad an object forever.
+
+Constraints may come from untrusted input (OpenAI Batch bodies), so the backend bounds what one
+can cost: a grammar is compiled in a thread with a deadline (xgrammar's compiler runs in C++ and
+releases the GIL; a 113-byte schema with a nested repetition in a `pattern` takes 8 s at a 32k
+vocabulary), compiled grammars sit in an LRU cache bounded in entries and bytes, and a constraint
+that failed (invalid, or over the deadline) is remembered, so its next rows fail at once. A
+compile past its deadline cannot be stopped: it finishes in its thread (the process waits for it
+at exit) and its result is dropped; while MAX_OVERDUE such compiles still run, new constraints
+are refused, so overdue work and its memory stay bounded.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -14,6 +25,17 @@ from engine.sequence import Sequence
 from engine.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 10.0
+"""Longest a constraint may take to compile; past it, its requests fail with the reason."""
+CACHE_ENTRIES = 256
+"""Most compiled grammars kept per engine (least recently used leave first)."""
+CACHE_BYTES = 512 << 20
+"""Most bytes of compiled grammars kept per engine (xgrammar's own count of their token-mask caches)."""
+FAILED_ENTRIES = 1024
+"""Most failed constraints remembered (with their error) per engine."""
+MAX_OVERDUE = 2
+"""Most compiles past their deadline that may still run; while they do, new constraints fail."""
 
 
 UNESCAPED_CHAR = '[^\\"\\\\\\r\\n]'
@@ -32,15 +54,24 @@ def json_schema_ebnf(xgr, schema) -> str:
     return text.replace(UNESCAPED_CHAR, STRICT_CHAR)
 
 
+class _Busy(ValueError):
+    """Too many overdue compiles still run: this constraint was not tried."""
+
+
 class GrammarBackend:
     """Compiles constraints for one engine's tokenizer and vocabulary, and steps their matchers."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int],
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S):
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        """Deadline of one compile, in seconds."""
         self._compiler = None
-        self._compiled: dict[str, object] = {}
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._failed: OrderedDict[str, str] = OrderedDict()
+        self._overdue: list[threading.Thread] = []
         self._bitmask: torch.Tensor | None = None
 
     def _xgr(self):
@@ -49,34 +80,83 @@ class GrammarBackend:
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+            # xgrammar's own cache is unbounded: this backend keeps the bounded one
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return xgrammar
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache."""
+        return sum(g.memory_size_bytes for g in self._compiled.values())
+
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of `params` (cached); ValueError naming the cause if it is invalid."""
+        """The compiled grammar of `params` (cached); ValueError naming the cause if it is invalid
+        or does not compile within `compile_timeout_s`."""
         key = params.key()
         if key in self._compiled:
+            self._compiled.move_to_end(key)
             return self._compiled[key]
-        xgr = self._xgr()
-        c = self._compiler
+        if key in self._failed:
+            self._failed.move_to_end(key)
+            raise ValueError(self._failed[key])
         try:
-            if params.json is not None:
-                grammar = c.compile_grammar(json_schema_ebnf(xgr, params.json))
-            elif params.regex is not None:
-                grammar = c.compile_regex(params.regex)
-            elif params.choice is not None:
-                alternatives = " | ".join('"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"' for s in params.choice)
-                grammar = c.compile_grammar(f"root ::= {alternatives}")
-            elif params.grammar is not None:
-                grammar = c.compile_grammar(params.grammar)
-            else:  # json_object: any object, compact like the schema outputs
-                grammar = c.compile_grammar(json_schema_ebnf(xgr, {"type": "object"}))
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's message
+            grammar = self._compile_within_deadline(params)
+        except _Busy:
+            raise  # not the constraint's fault: a later row may compile it
+        except ValueError as exc:
+            self._remember(self._failed, key, str(exc), FAILED_ENTRIES)
+            raise
+        self._remember(self._compiled, key, grammar, CACHE_ENTRIES)
+        while len(self._compiled) > 1 and self.cached_bytes > CACHE_BYTES:
+            self._compiled.popitem(last=False)
+        return grammar
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: str, value, limit: int) -> None:
+        cache[key] = value
+        while len(cache) > limit:
+            cache.popitem(last=False)
+
+    def _compile_within_deadline(self, params: StructuredOutputsParams):
+        xgr = self._xgr()
+        self._overdue = [t for t in self._overdue if t.is_alive()]
+        if len(self._overdue) >= MAX_OVERDUE:
+            raise _Busy(f"structured_outputs.{params.kind}: not compiled: {len(self._overdue)} earlier constraints "
+                        "are still compiling past their deadline")
+        result: dict = {}
+
+        def work():
+            try:
+                result["grammar"] = self._compile_now(xgr, params)
+            except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's message
+                result["error"] = exc
+
+        # not a daemon: a thread still in xgrammar's C++ when the interpreter finalizes aborts it
+        thread = threading.Thread(target=work, name="grammar-compile")
+        thread.start()
+        thread.join(self.compile_timeout_s)
+        if thread.is_alive():
+            self._overdue.append(thread)
+            raise ValueError(f"structured_outputs.{params.kind}: the grammar did not compile within "
+                             f"{self.compile_timeout_s:g} s (too complex)")
+        if "error" in result:
+            exc = result["error"]
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"structured_outputs.{params.kind}: {first}") from None
-        del xgr
-        self._compiled[key] = grammar
-        return grammar
+        return result["grammar"]
+
+    def _compile_now(self, xgr, params: StructuredOutputsParams):
+        c = self._compiler
+        if params.json is not None:
+            return c.compile_grammar(json_schema_ebnf(xgr, params.json))
+        if params.regex is not None:
+            return c.compile_regex(params.regex)
+        if params.choice is not None:
+            alternatives = " | ".join('"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"' for s in params.choice)
+            return c.compile_grammar(f"root ::= {alternatives}")
+        if params.grammar is not None:
+            return c.compile_grammar(params.grammar)
+        return c.compile_grammar(json_schema_ebnf(xgr, {"type": "object"}))  # json_object: compact, like schemas
 
     def start(self, seq: Sequence) -> None:
         """Gives a constrained row its matcher (advanced over any output it already has)."""
@@ -116,3 +196,15 @@ class GrammarBackend:
             if m.is_terminated():
                 done.append(seq)
         return done
+
+    @staticmethod
+    def stop_whole_at_length(seqs: list[Sequence]) -> None:
+        """Constrained rows that reached max_tokens on a token that completes their grammar are
+        whole: they stop ("stop"), though the EOS that would have ended them was not drawn. Any other constrained row at max_tokens keeps "length", so
+        "length" on a constrained row always means its output is incomplete."""
+        for seq in seqs:
+            m = seq.matcher
+            if m is None or seq.finish_reason != "length" or not seq.output_token_ids:
+                continue
+            if m.accept_token(seq.output_token_ids[-1]) and m.is_completed():  # whole, EOS not drawn yet
+                seq.finish("stop")

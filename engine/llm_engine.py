@@ -220,6 +220,7 @@ class LLMEngine:
         tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows))
         finished = self.batch.record(sampled, rows, tokens, logprobs)
         if constrained:
+            self.grammar.stop_whole_at_length(finished)
             finished += self._grammar_complete([s for s in constrained if s.finish_reason is None])
         self.scheduler.finish(finished)
         self.batch.remove(finished)

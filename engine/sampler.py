@@ -12,6 +12,8 @@ import torch
 from engine.sequence import Sequence
 
 M32 = 0xFFFFFFFF
+U_MAX = 1.0 - 2.0 ** -24
+"""The largest float32 below 1: the top of the uniform draws behind the Gumbel noise."""
 
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -145,9 +147,15 @@ class Sampler:
 
     def _gumbel(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         key = _mix32((seeds & M32) ^ _mix32(((seeds >> 32) & M32) ^ _mix32(steps & M32)))  # (B,)
-        bits = _mix32(key[:, None] ^ self._token_keys[None, :]) >> 8  # (B, V), 24 random bits
-        u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
-        return -torch.log(-torch.log(u))
+        return gumbel_noise(_mix32(key[:, None] ^ self._token_keys[None, :]) >> 8)  # (B, V)
+
+
+def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
+    """24 random bits per entry -> Gumbel(0, 1) noise, always finite. For the top value, bits + 0.5
+    rounds to 2^24 in float32, so u would be 1 and the noise +inf (and a token masked to -inf, by a
+    grammar, would win as NaN): the clamp keeps u strictly inside (0, 1)."""
+    u = ((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
+    return -torch.log(-torch.log(u))
 
 
 ARGMAX_CHUNKS = 64

@@ -19,6 +19,7 @@ from typing import Callable
 import pyarrow as pa
 
 from pipeline.errors import SpecError
+from pipeline.io import read_schema_files
 from pipeline.run import EngineActor, engine_stage_args
 from pipeline.spec import JobSpec, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
@@ -38,7 +39,7 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     if unknown:
         raise SpecError(f"{unknown[0]}: not a processor setting (a processor takes {', '.join(SECTIONS)}; "
                         "the Dataset is its input and its result)")
-    spec = validate({**config, "input": {"path": "-"}, "output": {"path": "-"}})
+    spec = read_schema_files(validate({**config, "input": {"path": "-"}, "output": {"path": "-"}}))
     return Processor(spec, preprocess, postprocess)
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from pipeline.spec import is_failed
+
 if TYPE_CHECKING:
     from pipeline.spec import WorkersSpec
 
@@ -37,7 +39,7 @@ class Counts:
     rows: int = 0
     """Output rows (with sampling.n > 1, one per sample; OpenAI Batch output: one per line)."""
     errors: int = 0
-    """Rows with finish_reason "error"."""
+    """Rows that failed: finish_reason "error", or a structured output cut by max_tokens."""
     skipped: int = 0
     """Malformed lines left out (input.on_bad_line: skip)."""
     prompt_tokens: int = 0
@@ -121,7 +123,7 @@ class CommitRecord(Counts):
         if table.column_names == ["line"]:
             return _counted_openai(table)
         d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
-        errors = [e for e, r in zip(d["error"], d["finish_reason"]) if r == "error"]
+        errors = [e for e, r in zip(d["error"], d["finish_reason"]) if is_failed(r, e)]
         return cls(rows=table.num_rows, errors=len(errors), prompt_tokens=int(sum(d["num_prompt_tokens"])),
                    generated_tokens=int(sum(d["num_generated_tokens"])), error_samples=errors[:3])
 

@@ -1,11 +1,14 @@
 """Checks before any actor starts: one line, at once, for problems that would doom every actor.
 
-Used by `run_job` before it claims the output, and by `batchinfer validate`.
+Used by `run_job` before it claims the output, and by `batchinfer validate`. The spec's grammars
+(sampling.structured_outputs, label.json_schema) compile here against the model's tokenizer: the
+torch-free `validate` of the schema cannot (xgrammar imports torch).
 """
 from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError, one_line
+from engine.structured_outputs import StructuredOutputsParams
 from pipeline.errors import InputError, JobError, TemplateError
 from pipeline.io import Storage, list_inputs, read_schema_columns
 from pipeline.spec import JobSpec
@@ -35,7 +38,37 @@ def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
     if builder.chat and not getattr(tokenizer, "chat_template", None):
         raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
                        "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
+    check_constraints(spec, tokenizer)
     return files
+
+
+def spec_constraints(spec: JobSpec) -> list[tuple[str, StructuredOutputsParams]]:
+    """(spec key, constraint) of every grammar the job's rows generate under."""
+    found = []
+    if spec.sampling.structured_outputs is not None:
+        found.append(("sampling.structured_outputs", spec.sampling.structured_outputs.params()))
+    if spec.task in ("label", "eval") and spec.label.json_schema is not None:
+        found.append(("label.json_schema", StructuredOutputsParams(json=spec.label.json_schema)))
+    return found
+
+
+def check_constraints(spec: JobSpec, tokenizer) -> None:
+    """Compiles the job's grammars against `tokenizer`: JobError naming the key and the cause when
+    one is invalid or too slow to compile (engine.grammar.COMPILE_TIMEOUT_S)."""
+    constraints = spec_constraints(spec)
+    if not constraints:
+        return
+    from engine.grammar import GrammarBackend  # imports torch and xgrammar: only when there is a grammar
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    backend = GrammarBackend(tokenizer, len(tokenizer), {eos} if isinstance(eos, int) else set())
+    for key, params in constraints:
+        try:
+            backend.compile(params)
+        except ValueError as exc:
+            cause = str(exc).removeprefix(f"structured_outputs.{params.kind}: ")
+            where = f"{key}.{params.kind}" if key == "sampling.structured_outputs" else key
+            raise JobError(f"{where}: {cause}") from None
 
 
 def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:

@@ -1,12 +1,16 @@
 """What a job is: the spec's schema, the `Job` handed around a run, its output columns and metric
-names. Imports engine.config and engine.sampling_params only: never the engine, torch or Ray."""
+names. Imports engine.config, engine.sampling_params and engine.structured_outputs only: never the
+engine, torch or Ray."""
 from pipeline.errors import SpecError
-from pipeline.spec.columns import (BASE_COLUMNS, LABEL_COLUMNS, METRICS, SAMPLE_INDEX, SCORE_PREFIX,
-                                   check_metric_names, check_metrics, output_columns, score_column)
+from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,
+                                   SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
+                                   score_column)
 from pipeline.spec.job import Job
+from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, schema_file_refs
 from pipeline.spec.schema import (ADDED_FIELDS, EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
                                   field_reference, validate)
 
-__all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX", "SCORE_PREFIX", "EvalSpec",
-           "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec", "SpecError", "WorkersSpec", "check_metric_names",
-           "check_metrics", "field_reference", "output_columns", "score_column", "validate"]
+__all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",
+           "SCHEMA_FILE_FIELDS", "SCORE_PREFIX", "EvalSpec", "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec",
+           "SpecError", "StructuredOutputsSpec", "WorkersSpec", "check_metric_names", "check_metrics",
+           "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate"]

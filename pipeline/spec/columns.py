@@ -18,6 +18,20 @@ BASE_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "
 LABEL_COLUMNS = ("label", "label_probs", "label_logprobs", "label_logprobs_per_token")
 """Columns of a label (or eval) task that picks its label by scoring choices."""
 
+FIELDS_COLUMNS = ("label", "label_fields")
+"""Columns of a label (or eval) task with label.json_schema: the object as JSON text, and a struct of
+its top-level properties."""
+
+INCOMPLETE = "structured output incomplete: max_tokens reached"
+"""The error of a constrained row cut by max_tokens before its structure closed (its finish_reason
+stays "length"): it counts as a failed row."""
+
+
+def is_failed(finish_reason: str | None, error: str | None) -> bool:
+    """Whether an output row counts against max_error_rate: it failed, or its structured output is
+    incomplete (a note such as an unmatched label_regex does not count)."""
+    return finish_reason == "error" or error == INCOMPLETE
+
 METRICS = ("exact_match", "contains", "regex_match", "accuracy")
 """Metric names a spec may list under eval.metrics."""
 
@@ -40,6 +54,8 @@ def output_columns(spec: JobSpec) -> list[str]:
     if spec.task in ("label", "eval"):
         if label.choices or label.choices_column:
             names += LABEL_COLUMNS
+        elif label.json_schema is not None:
+            names += FIELDS_COLUMNS
         elif label.label_regex:
             names.append("label")
     if spec.task == "eval":

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -20,6 +20,7 @@ from engine.config import CPU_POOL_TOKENS, DEFAULT_MODEL, EngineConfig
 from engine.sampling_params import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
+from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema, schema_file_refs
 
 
 class _Section(BaseModel):
@@ -29,19 +30,26 @@ class _Section(BaseModel):
 class _DataclassSection(_Section):
     """A section mirroring an engine dataclass, whose own checks run after pydantic's."""
 
+    own_sections: ClassVar[tuple[str, ...]] = ()
+    """Fields that are spec sections checked by their own rules, left out of the dataclass check."""
+
     @model_validator(mode="after")
     def _dataclass_checks(self):
-        self.dataclass_type(**self.model_dump())
+        self.dataclass_type(**self.model_dump(exclude=set(self.own_sections)))
         return self
 
 
-def _from_dataclass(name: str, cls, skip: tuple[str, ...]) -> type[BaseModel]:
-    """A strict pydantic section mirroring a dataclass: same fields, defaults and docs."""
+def _from_dataclass(name: str, cls, skip: tuple[str, ...], sections: dict | None = None) -> type[BaseModel]:
+    """A strict pydantic section mirroring a dataclass: same fields, defaults and docs.
+    `sections`: field -> a spec-side type (a section) standing for the dataclass's own type."""
     docs = cls.field_docs()
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
     defs = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
+            continue
+        if f.name in (sections or {}):
+            defs[f.name] = (sections[f.name] | None, Field(default=None, description=docs[f.name]))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         annotation = eval(hints[f.name], {"dict": dict, "list": list, "str": str, "int": int,  # noqa: S307
@@ -49,13 +57,15 @@ def _from_dataclass(name: str, cls, skip: tuple[str, ...]) -> type[BaseModel]:
         defs[f.name] = (annotation, Field(default=default, description=docs[f.name]))
     model = create_model(name, __base__=_DataclassSection, **defs)
     model.dataclass_type = cls
+    model.own_sections = tuple(sections or ())
     return model
 
 
 EngineSpec = _from_dataclass("EngineSpec", EngineConfig, skip=("model", "seed", "extra"))
-SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=("structured_outputs",))
-# structured_outputs is an engine feature the job does not expose yet (no spec-side schema type):
-# a spec naming it is refused as an unknown key. n > 1 writes one output row per sample.
+SamplingSpec = _from_dataclass("SamplingSpec", SamplingParams, skip=(),
+                               sections={"structured_outputs": StructuredOutputsSpec})
+# structured_outputs has a spec-side type: its `json` may name a file, and its grammar compiles in
+# preflight, not here (xgrammar imports torch). n > 1 writes one output row per sample.
 
 
 class FewShotSpec(_Section):
@@ -113,6 +123,10 @@ class LabelSpec(_Section):
     label_regex: str | None = Field(
         None, description="Without choices: generate, then take the label from this regex (first group, or the "
         "whole match); no match = null label and a note in `error`.")
+    json_schema: dict[str, Any] | str | None = Field(
+        None, description="Generate the label as a JSON object this schema constrains (a mapping, or the path or "
+        "URL of a .json file, relative to the spec file): `label` holds it as JSON text, `label_fields` a struct "
+        "of its top-level properties, typed from the schema.")
 
 
 class NormalizeSpec(_Section):
@@ -194,7 +208,12 @@ class JobSpec(_Section):
         return EngineConfig(model=self.model, seed=self.seed, **self.engine.model_dump())
 
     def fingerprint(self) -> str:
-        """Hash of everything that changes the output rows (not of where they are written)."""
+        """Hash of everything that changes the output rows (not of where they are written). A JSON
+        Schema counts by its content: one still named by its file raises SpecError."""
+        unread = schema_file_refs(self.model_dump())
+        if unread:
+            raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
+                            "job's fingerprint is taken (pipeline.io.read_schema_files)")
         data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
                                                      "input": {"storage_options"},
                                                      "workers": {"num", "gpus", "cpus", "resource_wait_s"},
@@ -204,17 +223,18 @@ class JobSpec(_Section):
             data["engine"].pop(knob, None)
         if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
             data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
-        # Fields added after 0.1 count only when set, so that outputs of older runs still resume.
+        # Fields added after 0.1 count only when set, so that outputs of older runs still resume
+        # (inner fields first: a section whose added fields are all unset compares as before).
         defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
         for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
             values["eval"].pop("k")
-        for path in ADDED_FIELDS:
+        for path in sorted(ADDED_FIELDS, key=len, reverse=True):
             *parents, leaf = path
             node, default = data, defaults
             for key in parents:
                 node, default = node[key], default[key]
-            if node.get(leaf) == default[leaf]:
-                del node[leaf]
+            if leaf in node and node[leaf] == default[leaf]:
+                del node[leaf], default[leaf]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -222,7 +242,7 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
-                ("sampling", "n"))
+                ("sampling", "n"), ("sampling", "structured_outputs"), ("label", "json_schema"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
                     "distributed_timeout_s")
@@ -244,7 +264,8 @@ def check_gpus(spec: JobSpec) -> None:
 def check_task(spec: JobSpec) -> None:
     """Cross-field rules of tasks and formats (one message naming the keys involved)."""
     label, ev, inp = spec.label, spec.eval, spec.input
-    labels = bool(label.choices or label.choices_column or label.label_regex)
+    labels = bool(label.choices or label.choices_column or label.label_regex or label.json_schema is not None)
+    check_structured(spec)
     if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
         raise ValueError("label.choices: give at least one non-empty choice")
     if label.choices and label.choices_column:
@@ -259,7 +280,8 @@ def check_task(spec: JobSpec) -> None:
                 raise ValueError(f"{name}: invalid regex: {exc}") from None
     check_samples(spec)
     if spec.task == "label" and not labels:
-        raise ValueError("task label needs label.choices, label.choices_column or label.label_regex")
+        raise ValueError("task label needs label.choices, label.choices_column, label.label_regex or "
+                         "label.json_schema")
     if spec.task == "eval":
         if not ev.reference_column:
             raise ValueError("task eval needs eval.reference_column")
@@ -307,6 +329,18 @@ def check_samples(spec: JobSpec) -> None:
             raise ValueError(f"eval.k lists a k twice: {ks}")
 
 
+def check_structured(spec: JobSpec) -> None:
+    """label.json_schema is a label of its own kind, and the only constraint of its rows."""
+    label = spec.label
+    if label.json_schema is None:
+        return
+    check_label_schema(label.json_schema)
+    if label.choices or label.choices_column or label.label_regex:
+        raise ValueError("label.json_schema generates the label: drop label.choices, choices_column and label_regex")
+    if spec.sampling.structured_outputs is not None:
+        raise ValueError("label.json_schema constrains the generated label: drop sampling.structured_outputs")
+
+
 def validate(data: dict) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
@@ -342,6 +376,9 @@ def field_reference() -> list[tuple[str, str, str, str]]:
                 continue
             default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
             rows.append((key, _type_name(ann), default, info.description or ""))
+            optional = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if optional:  # an optional section (structured_outputs): its own keys too
+                walk(optional[0], key + ".")
 
     walk(JobSpec, "")
     return rows

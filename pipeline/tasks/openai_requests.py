@@ -9,20 +9,25 @@ Body fields, by what happens to them:
     mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
                 stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat),
                 n (1 .. engine.sampling_params.MAX_N: one line with n choices)
+                response_format ({type: text | json_object | json_schema, json_schema: {name,
+                schema, strict, description}} -> structured_outputs; always enforced, strict or not)
     checked     stream (only false), model (a string; reported in the response only)
     ignored     user, and for chat metadata and store: they describe the request, not how to
                 generate it
-    unknown     anything else (logit_bias, tools, response_format, ...): listed in
+    unknown     anything else (logit_bias, tools, ...): listed in
                 BatchRequest.unknown; the caller makes that a row error or a warning with
                 `unknown_fields_error`
 A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
-with two engine limits on top: top_p must be > 0 and seed must be >= 0.
+with two engine limits on top: top_p must be > 0 and seed must be >= 0. A body's JSON Schema is
+untrusted input: over MAX_SCHEMA_BYTES it is refused here, and the engine bounds the time its
+grammar may take to compile (engine.grammar.COMPILE_TIMEOUT_S); either way only that request fails.
 
 Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
 written by pipeline.run.openai_files.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.sampling_params import MAX_N
@@ -40,13 +45,16 @@ IGNORED_FIELDS = {CHAT_URL: ("user", "metadata", "store"), COMPLETIONS_URL: ("us
 store): end-user id, tags and storage choice do not change generation."""
 
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty",
-                  "frequency_penalty", "logprobs", "stream")
+                  "frequency_penalty", "logprobs", "stream", "response_format")
 KNOWN_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[CHAT_URL]
                         + ("messages", "max_completion_tokens", "top_logprobs")),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[COMPLETIONS_URL] + ("prompt",)),
 }
 """Body fields understood per endpoint; any other is reported in BatchRequest.unknown."""
+
+MAX_SCHEMA_BYTES = 64 << 10
+"""Most bytes of a body's JSON Schema, as compact JSON text (a 100-property schema is ~5 KB)."""
 
 @dataclass
 class BatchRequest:
@@ -207,7 +215,44 @@ def _parse_sampling(body: dict, chat: bool) -> dict:
     if body.get("stream") is not None and body["stream"] is not False:
         raise _RowError(f"body.stream must be false, got {body['stream']!r}")
     _put(sampling, "logprobs", _parse_logprobs(body, chat))
+    _put(sampling, "structured_outputs", _parse_response_format(body.get("response_format")))
     return sampling
+
+
+def _parse_response_format(value) -> dict | None:
+    """body.response_format -> structured_outputs keyword arguments, or None for plain text."""
+    where = "body.response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _RowError(f"{where} must be an object, got {_kind(value)}")
+    kind = value.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in allowed:
+        raise _RowError(f'{where}.type must be "text", "json_object" or "json_schema", got {kind!r}')
+    extra = sorted(set(value) - allowed[kind])
+    if extra:
+        raise _RowError(f"{where} of type {kind} has unsupported fields: {', '.join(extra)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _RowError(f"{where}.json_schema must be an object with a schema, got {_kind(spec)}")
+    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if extra:
+        raise _RowError(f"{where}.json_schema has unsupported fields: {', '.join(extra)}")
+    for name, check in (("name", _check_str), ("description", _check_str), ("strict", _check_bool)):
+        if spec.get(name) is not None:
+            check(f"{where}.json_schema.{name}", spec[name])
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise _RowError(f"{where}.json_schema.schema must be a JSON Schema object, got {_kind(schema)}")
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise _RowError(f"{where}.json_schema.schema is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}")
+    return {"json": schema}
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:

@@ -140,7 +140,7 @@ def output_lines(rows: list[dict], ids: list[str], results: list[RowResult], *, 
     lines = []
     for row, row_id, result in zip(rows, ids, results):
         samples = result.sample_results()
-        failed = next((s for s in samples if s.finish_reason == "error"), None)
+        failed = next((s for s in samples if s.failed), None)
         if failed is not None:  # a request's line holds all its samples or none: the first failure is its error
             custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
             code = GENERATION_ERROR if failed.ran else INVALID_REQUEST

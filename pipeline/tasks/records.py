@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pipeline.spec import SCORE_PREFIX
+from pipeline.spec import SCORE_PREFIX, is_failed
 
 if TYPE_CHECKING:
     from pipeline.tasks.openai_requests import BatchRequest
@@ -40,6 +40,8 @@ class RowResult:
     """Choice scoring: each choice's mean log-likelihood per token."""
     sample_index: int = 0
     """Which of the request's samples this is (the `sample_index` column when sampling.n > 1)."""
+    label_fields: dict | None = None
+    """label.json_schema: the generated object (its top-level properties), None when the row failed."""
     scores: dict[str, float | None] = field(default_factory=dict)
     """eval: score_<metric> column -> 1.0, 0.0 or None (unscored)."""
     ran: bool = False
@@ -58,6 +60,11 @@ class RowResult:
         if self.samples is not None:
             return self.samples
         return [self] if n == 1 else [replace(self, sample_index=j, scores=dict(self.scores)) for j in range(n)]
+
+    @property
+    def failed(self) -> bool:
+        """The row counts as an error: it failed, or its structured output is incomplete."""
+        return is_failed(self.finish_reason, self.error)
 
     def column(self, name: str):
         """The value of output column `name`."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from pipeline.spec import SAMPLE_INDEX, SCORE_PREFIX, output_columns
+from pipeline.tasks.label_fields import fields_type
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -21,9 +22,12 @@ COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), 
 every part of a job has the same schema, whatever its rows held."""
 
 
-def column_type(name: str) -> pa.DataType | None:
+def column_type(name: str, spec: JobSpec | None = None) -> pa.DataType | None:
+    """The Arrow type of output column `name`; label_fields' comes from the spec's label.json_schema."""
     if name.startswith(SCORE_PREFIX):
         return pa.float64()
+    if name == "label_fields" and spec is not None and isinstance(spec.label.json_schema, dict):
+        return fields_type(spec.label.json_schema)
     return COLUMN_TYPES.get(name)
 
 
@@ -45,9 +49,9 @@ def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[
             out.append(record)
     if not out:
         return pa.table({"id": pa.array([], pa.string()),
-                         **{name: pa.array([], column_type(name)) for name in produced}})
+                         **{name: pa.array([], column_type(name, spec)) for name in produced}})
     names = list(dict.fromkeys(name for record in out for name in record))
-    return pa.table({name: _column([record.get(name) for record in out], column_type(name)) for name in names})
+    return pa.table({name: _column([record.get(name) for record in out], column_type(name, spec)) for name in names})
 
 
 def _column(values: list, dtype: pa.DataType | None = None) -> pa.Array:

@@ -2,22 +2,28 @@
 
 generate  prompt -> text.
 label     prompt -> one of `choices`, picked by the log-likelihood of each choice after the
-          prompt (no sampling), or generated text parsed with `label_regex`.
+          prompt (no sampling), generated text parsed with `label_regex`, or a JSON object
+          generated under `json_schema` (its properties also in the label_fields struct).
 eval      generate (or label), then score each row against its reference (`score_<metric>`
           columns); pipeline.run.metrics aggregates the committed scores into metrics.json.
 
 Prompts come from a column, a template, chat messages (rendered with the model's chat
-template) or OpenAI Batch request lines. Every problem with one row becomes that row's error.
+template) or OpenAI Batch request lines. Every problem with one row becomes that row's error; a
+constrained row cut by max_tokens keeps finish_reason "length" and gets the error INCOMPLETE.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
+from pipeline.spec import INCOMPLETE
 from pipeline.tasks import scoring
+from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
 from pipeline.tasks.prompts import PromptBuilder
@@ -48,15 +54,19 @@ class TaskRunner:
         sampling = spec.sampling.model_dump()
         seed = sampling.pop("seed")
         self.base_seed = spec.seed if seed is None else seed
-        self.sampling = sampling
         self.sample_rows = spec.sampling.n > 1  # one output row per sample, else one per input row
         label = spec.label
         labeling = self.task in ("label", "eval")
+        self.label_schema = label.json_schema if labeling else None
+        so = spec.sampling.structured_outputs
+        sampling["structured_outputs"] = so.params() if so is not None else (
+            StructuredOutputsParams(json=self.label_schema) if self.label_schema is not None else None)
+        self.sampling = sampling
         self.choices = label.choices if labeling else None
         self.choices_column = label.choices_column if labeling else None
         self.scoring = bool(self.choices or self.choices_column)
         self.label_regex = re.compile(label.label_regex) if labeling and label.label_regex else None
-        self.labels = self.scoring or self.label_regex is not None
+        self.labels = self.scoring or self.label_regex is not None or self.label_schema is not None
 
     # -- rows -> records ------------------------------------------------------------------------
 
@@ -69,10 +79,12 @@ class TaskRunner:
         else:
             completions = self.engine.generate(prompts, params) if prompts else []
             for i, c, sp, req in zip(todo, completions, params, requests):
-                results[i] = _generated(c, sp.n, req)
-                if self.label_regex is not None:
-                    for result in results[i].sample_results():
+                results[i] = _generated(c, sp, req)
+                for result in results[i].sample_results():
+                    if self.label_regex is not None:
                         self._parse_label(result)
+                    elif self.label_schema is not None:
+                        self._parse_fields(result, self.label_schema)
         for i, result in enumerate(results):
             if result is None:
                 results[i] = RowResult(error=errors[i])
@@ -159,13 +171,30 @@ class TaskRunner:
         return " " if isinstance(prompt, str) and not prompt[-1:].isspace() else ""
 
     def _parse_label(self, result: RowResult) -> None:
-        if result.finish_reason == "error":
+        if result.failed:
             return
         match = self.label_regex.search(result.generated_text)
         if match is None:
             result.error = NO_MATCH
             return
         result.label = match.group(1) if self.label_regex.groups else match.group(0)
+
+    @staticmethod
+    def _parse_fields(result: RowResult, schema: dict) -> None:
+        """label.json_schema: the label is the generated object's JSON text, label_fields its
+        properties typed for the column (a value that does not fit leaves them null, with a note)."""
+        if result.failed:
+            return
+        try:
+            obj = json.loads(result.generated_text)
+        except ValueError as exc:  # the grammar makes this unreachable; never write a label that does not parse
+            result.finish_reason, result.error = "error", f"the generated label is not JSON: {exc}"
+            return
+        result.label = result.generated_text
+        try:
+            result.label_fields = field_values(obj if isinstance(obj, dict) else None, fields_type(schema))
+        except ValueError as exc:
+            result.error = str(exc)
 
     # -- eval -----------------------------------------------------------------------------------
 
@@ -176,7 +205,7 @@ class TaskRunner:
         pairs = [(row, sample) for row, result in zip(rows, results) for sample in result.sample_results()]
         results = [sample for _, sample in pairs]
         refs = [row.get(ev.reference_column) for row, _ in pairs]
-        failed = [r.finish_reason == "error" for r in results]
+        failed = [r.failed for r in results]
         text_metrics = [m for m in ev.metrics if m != "accuracy"]
         columns = {}
         if text_metrics:
@@ -192,19 +221,28 @@ class TaskRunner:
                 result.scores[name] = value
 
 
-def _generated(c, n: int, req) -> RowResult:
+def _generated(c, sp, req) -> RowResult:
     """The result of a completion; with n > 1, one result per sample (a request that failed before
-    it drew samples, or an engine that returns none, gives n copies of its one result)."""
-    result = RowResult(c.text, c.num_prompt_tokens, c.num_generated_tokens, c.finish_reason, c.error,
-                       ran=True, request=req, logprobs=c.logprobs)
-    if n == 1:
+    it drew samples, or an engine that returns none, gives n copies of its one result). A
+    constrained row cut at max_tokens is an error: its structure never closed."""
+    # a constraint that did not compile is the request's fault: the engine never ran it
+    ran = not (c.finish_reason == "error" and (c.error or "").startswith("structured_outputs"))
+
+    def one(text, tokens, finish_reason, error, logprobs, index=0) -> RowResult:
+        result = RowResult(text, c.num_prompt_tokens, tokens, finish_reason, error, sample_index=index, ran=ran,
+                           request=req, logprobs=logprobs)
+        if sp.structured_outputs is not None and finish_reason == "length":
+            result.error = INCOMPLETE
         return result
-    if len(c.samples) == n:
-        result.samples = [RowResult(s.text, c.num_prompt_tokens, s.num_generated_tokens, s.finish_reason, s.error,
-                                    sample_index=s.index, ran=True, request=req, logprobs=s.logprobs)
+
+    result = one(c.text, c.num_generated_tokens, c.finish_reason, c.error, c.logprobs)
+    if sp.n == 1:
+        return result
+    if len(c.samples) == sp.n:
+        result.samples = [one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index)
                           for s in c.samples]
     else:
-        result.samples = result.sample_results(n)
+        result.samples = result.sample_results(sp.n)
     return result
 
 

@@ -176,3 +176,15 @@ def test_two_pass_argmax_equals_argmax_with_ties_and_a_tail():
         x[3, v - 1] = 60.0  # the tail's own maximum
         x[4, [v // 2, v // 2 + 1]] = 70.0  # a tie inside one chunk
         assert torch.equal(argmax(x), x.argmax(dim=-1)), v
+
+
+
+def test_gumbel_noise_is_finite_at_every_draw_so_a_masked_token_never_wins():
+    from engine.sampler import argmax, gumbel_noise
+
+    bits = torch.tensor([[(1 << 24) - 1, 0, 1 << 23, (1 << 24) - 2]], dtype=torch.int64)
+    assert ((bits.to(torch.float32) + 0.5) / (1 << 24)).max().item() == 1.0  # the draw that rounds to u = 1
+    noise = gumbel_noise(bits)
+    assert torch.isfinite(noise).all()
+    masked = torch.tensor([[float("-inf"), 0.0, 1.0, 0.5]])  # token 0 forbidden, with the top draw
+    assert argmax(masked + noise).item() != 0

@@ -110,3 +110,25 @@ def test_n_out_of_range_is_refused():
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="n must be <= 128"):
         SamplingParams(n=1000)
+
+
+def test_a_row_whose_grammar_completes_on_its_last_allowed_token_stops(engines):
+    llm = engines("continuous")
+    outs = llm.generate(["p", "q"], [SamplingParams(max_tokens=1, temperature=0, structured_outputs={"regex": "[ab]"}),
+                                     SamplingParams(max_tokens=2, temperature=0, structured_outputs={"regex": "[ab]{3}"})])
+    assert outs[0].finish_reason == "stop" and outs[0].text in {"a", "b"}  # whole: not "length"
+    assert outs[1].finish_reason == "length"  # cut: "length" on a constrained row means incomplete
+
+
+def test_the_compiled_grammar_cache_is_bounded(engines, monkeypatch):
+    import engine.grammar as grammar
+
+    llm = engines("static")
+    monkeypatch.setattr(grammar, "CACHE_ENTRIES", 3)
+    for i in range(6):
+        llm.grammar.compile(StructuredOutputsParams(regex=f"x{{{i + 1}}}"))
+    assert len(llm.grammar._compiled) == 3
+    assert list(llm.grammar._compiled)[-1] == StructuredOutputsParams(regex="x{6}").key()
+    monkeypatch.setattr(grammar, "CACHE_BYTES", 1)
+    llm.grammar.compile(StructuredOutputsParams(regex="y"))
+    assert len(llm.grammar._compiled) == 1  # the newest stays, however large

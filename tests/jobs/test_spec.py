@@ -17,8 +17,7 @@ def test_defaults_come_from_the_engine_dataclasses():
     s = spec()
     for name in s.sampling.model_fields:
         assert getattr(s.sampling, name) == getattr(SamplingParams(), name)
-    assert set(s.sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {
-        "structured_outputs"}  # engine-only until the spec has a type for it
+    assert set(s.sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)}
     for name in s.engine.model_fields:
         assert getattr(s.engine, name) == getattr(EngineConfig(), name)
     assert s.model == "builtin:tiny" and s.workers.cpus < 1

@@ -9,7 +9,7 @@ Body fields, by what happens to them:
     mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
                 stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat),
                 n (1 .. engine.sampling_params.MAX_N: one line with n choices)
-                response_format ({type: text | json_object | json_schema, json_schema: {name,
+                response_format (chat; {type: text | json_object | json_schema, json_schema: {name,
                 schema, strict, description}} -> structured_outputs; always enforced, strict or not)
     checked     stream (only false), model (a string; reported in the response only)
     ignored     user, and for chat metadata and store: they describe the request, not how to
@@ -45,10 +45,10 @@ IGNORED_FIELDS = {CHAT_URL: ("user", "metadata", "store"), COMPLETIONS_URL: ("us
 store): end-user id, tags and storage choice do not change generation."""
 
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty",
-                  "frequency_penalty", "logprobs", "stream", "response_format")
+                  "frequency_penalty", "logprobs", "stream")
 KNOWN_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[CHAT_URL]
-                        + ("messages", "max_completion_tokens", "top_logprobs")),
+                        + ("messages", "max_completion_tokens", "top_logprobs", "response_format")),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[COMPLETIONS_URL] + ("prompt",)),
 }
 """Body fields understood per endpoint; any other is reported in BatchRequest.unknown."""

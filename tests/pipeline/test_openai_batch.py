@@ -151,10 +151,12 @@ def test_custom_id_is_kept_when_the_line_is_invalid():
 
 
 def test_unknown_fields_are_reported():
-    req = parse_request(chat({"tools": [], "logit_bias": {"1": 2}, "response_format": {"type": "text"}}))
-    assert req.error is None and req.unknown == ["logit_bias", "response_format", "tools"]
-    assert unknown_fields_error(req.unknown) == "unsupported body fields: logit_bias, response_format, tools"
+    req = parse_request(chat({"tools": [], "logit_bias": {"1": 2}, "parallel_tool_calls": True}))
+    assert req.error is None and req.unknown == ["logit_bias", "parallel_tool_calls", "tools"]
+    assert unknown_fields_error(req.unknown) == "unsupported body fields: logit_bias, parallel_tool_calls, tools"
     assert parse_request(completion({"echo": True, "best_of": 2})).unknown == ["best_of", "echo"]
+    # the completions API has no response_format (chat only, as in OpenAI's API)
+    assert parse_request(completion({"response_format": {"type": "text"}})).unknown == ["response_format"]
     assert parse_request(completion({"user": "x", "metadata": {}})).unknown == ["metadata"]  # chat only
     assert parse_request(chat({"user": "x", "metadata": {}, "store": True})).unknown == []
 

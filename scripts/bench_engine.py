@@ -10,10 +10,15 @@ Measures generated tokens/s of
      and continuous,
   4. CTranslate2 float32 (scripts/ct2_reference.py, token-batched at the same budget), when
      installed (`pip install -e .[bench]`),
-checks that they produce the same tokens, and prints a table with ratios.
-Target (issue 11): the engine's best mode >= 1.25x CTranslate2, tokens identical to transformers.
+  5. the engine with `quantization: int8` in its best mode, and CTranslate2 with int8 weights,
+checks that they produce the same tokens, and prints a table with ratios. Then an 8-row case
+(8 requests, all running at once), where decode reads weights more than it computes: the engine
+and CTranslate2 in float32 and int8.
+Targets: the engine's best mode >= 1.6x CTranslate2 float32 with tokens identical to
+transformers (issues 11, 20); int8 >= 1.5x CTranslate2 int8, and >= 1.3x our float32 at 8 rows
+(issue 24). int8 rows are not expected to match float32 token for token.
 
-    .venv/bin/python scripts/bench_engine.py [--requests 64] [--quick]
+    .venv/bin/python scripts/bench_engine.py [--requests 64] [--quick] [--no-int8]
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ def hf_padded_batches(model, prompts, outputs, batch_size: int):
     return results
 
 
-def ctranslate2_run(model_dir, prompts, outputs, budget: int):
+def ctranslate2_run(model_dir, prompts, outputs, budget: int, compute_type: str = "float32"):
     """CTranslate2's timed generate_batch, or None when it is not installed."""
     spec = importlib.util.spec_from_file_location("ct2_reference", Path(__file__).parent / "ct2_reference.py")
     ct2 = importlib.util.module_from_spec(spec)
@@ -76,7 +81,8 @@ def ctranslate2_run(model_dir, prompts, outputs, budget: int):
         return None
     cache = Path(os.environ.get("BATCHINFER_CACHE", Path.home() / ".cache/batchinfer")) / "ct2"
     out_dir = ct2.convert(model_dir, cache / f"{Path(model_dir).name}-float32")
-    run = ct2.generate(out_dir, prompts, outputs, threads=torch.get_num_threads(), max_batch_tokens=budget)
+    run = ct2.generate(out_dir, prompts, outputs, threads=torch.get_num_threads(), max_batch_tokens=budget,
+                       compute_type=compute_type)
     return run["outputs"], run["seconds"]
 
 
@@ -96,6 +102,32 @@ def agreement(a, b) -> str:
     return f"{same}/{len(a)}"
 
 
+def eight_rows(model_dir, prompts, outputs) -> None:
+    """8 requests at once: float32 and int8, ours and CTranslate2's, same tokens budget."""
+    budget = 8 * (max(len(p) for p in prompts) + max(outputs))
+    results = []
+    for quantization in (None, "int8"):
+        llm = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=8, dtype="float32",
+                                     device="cpu", quantization=quantization))
+        ours(llm, prompts[:2], [4, 4])
+        _, secs = timed(ours, llm, prompts, outputs)
+        results.append((f"batchinfer engine {quantization or 'float32'}", secs))
+        del llm
+    for compute_type in ("float32", "int8"):
+        run = ctranslate2_run(model_dir, prompts, outputs, budget, compute_type)
+        if run is not None:
+            results.append((f"CTranslate2 {compute_type}", run[1]))
+    generated = sum(outputs)
+    t = dict(results)
+    print(f"\n8 rows at once ({generated} tokens):\n")
+    print("| mode | seconds | generated tok/s | vs our float32 |")
+    print("|---|---:|---:|---:|")
+    for name, secs in results:
+        print(f"| {name} | {secs:.2f} | {generated / secs:.1f} | {t['batchinfer engine float32'] / secs:.2f}x |")
+    print(f"\n8 rows: our int8 {t['batchinfer engine float32'] / t['batchinfer engine int8']:.2f}x our float32 "
+          "(target >= 1.3x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
@@ -103,6 +135,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--quick", action="store_true", help="16 requests, shorter outputs (a smoke run)")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8 rows and the 8-row case")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,11 +165,22 @@ def main() -> None:
         engine.batch_stats.clear()
         mine, t_ours = timed(ours, engine, prompts, outputs)
         rows.append((f"batchinfer engine ({mode})", t_ours, mine))
+    best = min(("static", "continuous"), key=lambda m: next(t for name, t, _ in rows if f"({m})" in name))
+    if not args.no_int8:
+        q = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
+                                   dtype="float32", device="cpu", scheduling=best, quantization="int8"))
+        ours(q, prompts[:2], [4, 4])
+        mine, t_q = timed(ours, q, prompts, outputs)
+        rows.append((f"batchinfer engine int8 ({best})", t_q, mine))
+        del q
     ct2 = ctranslate2_run(model_dir, prompts, outputs, budget)
     t_ct2 = None
     if ct2 is not None:
         t_ct2 = ct2[1]
         rows.append(("CTranslate2 float32, token-batched", t_ct2, ct2[0]))
+        if not args.no_int8:
+            ct2_q = ctranslate2_run(model_dir, prompts, outputs, budget, "int8")
+            rows.append(("CTranslate2 int8, token-batched", ct2_q[1], ct2_q[0]))
     print()
     print("| mode | seconds | generated tok/s | vs 1-at-a-time | vs padded | vs CTranslate2 | same tokens as 1-at-a-time |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -144,6 +188,13 @@ def main() -> None:
         vs_ct2 = f"{t_ct2 / secs:.2f}x" if t_ct2 else "-"
         print(f"| {name} | {secs:.1f} | {generated / secs:.1f} | {t_one / secs:.2f}x | {t_pad / secs:.2f}x "
               f"| {vs_ct2} | {agreement(toks, ref)} |")
+    times = {name: secs for name, secs, _ in rows}
+    if not args.no_int8 and ct2 is not None:
+        print(f"\nint8: ours {times['CTranslate2 int8, token-batched'] / times[f'batchinfer engine int8 ({best})']:.2f}x "
+              f"CTranslate2 int8 (target >= 1.5x); ours int8 "
+              f"{times[f'batchinfer engine ({best})'] / times[f'batchinfer engine int8 ({best})']:.2f}x ours float32")
+    if not args.no_int8:
+        eight_rows(model_dir, prompts[:8], outputs[:8])
     stats = llm.batch_stats
     print(f"\nengine: {len(stats)} batches, rows {[s.rows for s in stats]}, "
           f"prompt padding {sum(s.padded_prompt_tokens - s.prompt_tokens for s in stats) / sum(s.padded_prompt_tokens for s in stats):.1%}, "

@@ -105,10 +105,12 @@ def _vocabulary(ct2_dir: Path) -> list[str]:
 
 
 def generate(ct2_dir, prompts: list[list[int]], max_tokens: list[int], *, threads: int,
-             max_batch_tokens: int, batch_rows: int | None = None, warmup: bool = True) -> dict:
+             max_batch_tokens: int, batch_rows: int | None = None, warmup: bool = True,
+             compute_type: str = "float32") -> dict:
     """Greedy generation of exactly max_tokens[i] tokens for prompts[i] (EOS does not stop it).
 
-    Runs ctranslate2.Generator on the CPU, float32, `threads` intra-op threads (0: CTranslate2's
+    Runs ctranslate2.Generator on the CPU, in `compute_type` (float32, or int8: weights quantized
+    to int8 as the model loads, CPU users' usual pick), `threads` intra-op threads (0: CTranslate2's
     default), one batch at a time, token-batched at `max_batch_tokens` prompt tokens, or, with
     `batch_rows`, in batches of that many requests (to hold the same KV memory as the engine).
     Only generate_batch is timed: loading, and a tiny warm-up call when `warmup`, are not.
@@ -131,7 +133,7 @@ def generate(ct2_dir, prompts: list[list[int]], max_tokens: list[int], *, thread
         raise ValueError(f"a prompt id is outside the vocabulary (size {len(vocab)})") from None
 
     start = time.perf_counter()
-    generator = ctranslate2.Generator(str(ct2_dir), device="cpu", compute_type="float32",
+    generator = ctranslate2.Generator(str(ct2_dir), device="cpu", compute_type=compute_type,
                                       intra_threads=threads, inter_threads=1)
     load_seconds = time.perf_counter() - start
     batching = (dict(max_batch_size=batch_rows, batch_type="examples") if batch_rows

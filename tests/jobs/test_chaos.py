@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,36 @@ SIGKILLED = {  # what the killed first run left: any part committed, manifest.js
     "driver SIGKILL before _SUCCESS": (True, True, False),
 }
 NODE_LOSS = ("node removed mid-job, replaced", "node removed mid-job, not replaced")
-
-
 # "driver SIGKILL mid-generation" is tests/jobs/test_resume.py (with a partial report); the rest here.
-@pytest.mark.parametrize("name", [n for n in scenarios(Path("/unused")) if n != "driver SIGKILL mid-generation"])
-def test_scenario_fires_and_loses_and_duplicates_nothing(name, tmp_path):
+NAMES = [n for n in scenarios(Path("/unused")) if n != "driver SIGKILL mid-generation"]
+AT_ONCE = 3
+"""Scenarios running at a time. Each mostly waits (Ray starting, a rerun, a node joining): run one
+after another they kept two cores a quarter busy for 6 minutes, three at a time take 3."""
+
+
+def _run_scenario(name: str, work: Path) -> subprocess.CompletedProcess:
     # Each scenario runs in its own process: some start their own Ray cluster.
     env = os.environ | {"PYTHONPATH": python_path()}
-    done = subprocess.run([sys.executable, "-m", "chaos.harness", name, "--report", str(tmp_path / "report.json"),
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env=env)
+    return subprocess.run([sys.executable, "-m", "chaos.harness", name, "--report", str(work / "report.json"),
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory) -> dict[str, tuple[Future, Path]]:
+    """Every scenario, started AT_ONCE at a time in the order of NAMES when the first test asks."""
+    pool = ThreadPoolExecutor(AT_ONCE)
+    runs = {}
+    for i, name in enumerate(NAMES):
+        work = tmp_path_factory.mktemp(f"chaos{i}")
+        runs[name] = (pool.submit(_run_scenario, name, work), work)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scenario_fires_and_loses_and_duplicates_nothing(name, started):
+    future, tmp_path = started[name]
+    done = future.result()
     assert (tmp_path / "report.json").exists(), done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())[0]
     evidence = report["evidence"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -38,8 +37,8 @@ def rss_child(quantization: str | None) -> None:
     llm = LLMEngine(EngineConfig(model="builtin:llama-42m", quantization=quantization, max_batch_tokens=4096))
     llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "rss": int(status["VmRSS"].split()[0]) * 1024, "weights": llm.runner.weights_nbytes,
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent through fork and exec
+    print(json.dumps({"peak_rss": int(status["VmHWM"].split()[0]) * 1024, "rss": int(status["VmRSS"].split()[0]) * 1024, "weights": llm.runner.weights_nbytes,
                       "kv_pool": llm.memory["kv_bytes"]}))
 
 

@@ -116,6 +116,7 @@ class LLMEngine:
             self.runner)
         return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
                 "kv_bytes": per_token * self.pool_tokens, "weights_bytes": self.runner.weights_nbytes,
+                "unquantized_weights_bytes": self.runner.unquantized_nbytes,
                 "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype,
                 "tensor_parallel_size": self.config.tensor_parallel_size}
 

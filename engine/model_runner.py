@@ -96,8 +96,7 @@ class ModelRunner:
         check_method(self.quantization, self.device)
         if self.tensor_parallel_size == 1:
             self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint)
-            if self.quantization is not None:
-                quantize_model(self.model, self.quantization, self.dtype)
+            self._quantize(self.model)
         else:
             self.model = self._load_shard(config, hf_config, checkpoint)
         text_config = self.model.config.get_text_config(decoder=True)
@@ -116,6 +115,9 @@ class ModelRunner:
         self.longrope = rowwise_longrope(self.model)
         self.weights_nbytes = weights_nbytes(self.model)
         """Bytes of the model's weights as held (quantized values, scales, a prepacked head's copy)."""
+        self.unquantized_nbytes: int = getattr(self, "unquantized_nbytes", self.weights_nbytes)
+        """What the weights would hold unquantized, in the model's dtype (set by _quantize): the
+        difference is what quantizing saved."""
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -145,8 +147,7 @@ class ModelRunner:
         try:
             model = tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
                                                self.device, self.rank, n, config.trust_remote_code)
-            if self.quantization is not None:
-                quantize_model(model, self.quantization, self.dtype)
+            self._quantize(model)
             tensor_parallel.add_all_reduce(model)
             if self.ranks is not None:
                 self.ranks.wait_for("ready", None)  # loading a shard takes what it takes; a dead rank fails
@@ -162,6 +163,20 @@ class ModelRunner:
         """Stops the other ranks (tensor_parallel_size > 1); idempotent."""
         if self.ranks is not None:
             self.ranks.close()
+
+    def _quantize(self, model) -> None:
+        """Quantizes the linear layers when the engine runs quantized; first notes what the
+        weights hold unquantized (a CPU float32 run prepacks the head: a copy more when the head
+        is tied to the input embedding, and a bias where it had none)."""
+        if self.quantization is None:
+            return
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        packs = (self.device.type == "cpu" and self.dtype == torch.float32 and type(head) is torch.nn.Linear
+                 and torch.backends.mkldnn.is_available())
+        tied = embedding is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
+        extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
+        self.unquantized_nbytes = weights_nbytes(model) + (extra if packs else 0)  # packing adds a zero bias
+        quantize_model(model, self.quantization, self.dtype)
 
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""

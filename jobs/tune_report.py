@@ -34,9 +34,14 @@ def pools(results: list[Measurement]) -> str:
                          f"{m['kv_bytes'] / 2**20:.1f} MiB")
     weights = next((r.memory for r in results if r.memory), None)
     if weights:
-        q = weights.get("quantization") or "none"
-        lines.append(f"  weights: {weights['weights_bytes'] / 2**20:.1f} MiB (quantization: {q}; compare with "
-                     "--set engine.quantization=int8 for what int8 saves)")
+        q, held = weights.get("quantization"), weights["weights_bytes"]
+        dense = weights.get("unquantized_weights_bytes", held)
+        if q:
+            lines.append(f"  weights: {held / 2**20:.1f} MiB with quantization {q}, {dense / 2**20:.1f} MiB without: "
+                         f"it saves {(dense - held) / 2**20:.1f} MiB ({held / dense:.2f}x)")
+        else:
+            lines.append(f"  weights: {held / 2**20:.1f} MiB (no quantization; --set engine.quantization=int8 "
+                         "would hold about a quarter of the linear layers' bytes)")
     return "\n".join(lines)
 
 

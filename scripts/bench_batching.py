@@ -105,12 +105,11 @@ def measure(mode: str, key: str, args) -> dict:
         start = time.perf_counter()
         seqs = [llm.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                 for p, m in zip(prompts, outputs)]
-        peak_kv = 0
+        peak_blocks = 0
         while llm.has_unfinished():
             llm.step()
-            cache = llm.cache  # the pool is allocated once; the layout in use is the KV a batch holds
-            if cache.capacity:
-                peak_kv = max(peak_kv, cache.nbytes() * cache.tokens // cache.capacity)
+            peak_blocks = max(peak_blocks, llm.pool.num_used)  # the pool's blocks rows hold (or cache) now
+        peak_kv = peak_blocks * llm.memory["kv_bytes"] // llm.pool.num_blocks
         _sync(args.device)
         seconds = time.perf_counter() - start
         assert all(s.num_output_tokens == m for s, m in zip(seqs, outputs)), "a request stopped early"

@@ -101,6 +101,10 @@ def test_int8_linears_hold_a_quarter_of_the_bytes(tiny_model_dir):
     emb = q.runner.model.get_input_embeddings().weight
     linears = full.runner.weights_nbytes - emb.numel() * 4
     assert q.runner.weights_nbytes - emb.numel() * 4 < 0.3 * linears
+    # what the engine reports it saved (stats, tune): the float32 engine's own figure
+    assert q.memory["unquantized_weights_bytes"] == full.memory["weights_bytes"] == full.memory[
+        "unquantized_weights_bytes"]
+    assert q.memory["weights_bytes"] == q.runner.weights_nbytes
 
 
 def test_fp8_off_cuda_and_unknown_methods_are_one_line_errors():

@@ -9,7 +9,7 @@ class ModelLoadError(RuntimeError):
 
 class RankError(RuntimeError):
     """A tensor-parallel rank process died, failed or timed out, and the engine has stopped all
-    of its ranks. A retry with a fresh engine can help (a job's actor restarts and redoes the shard)."""
+    of its ranks. A retry with a fresh engine can help (a job's worker builds one and redoes the shard)."""
 
 
 def one_line(exc: BaseException) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from engine.config import CPU_POOL_TOKENS
-from engine.errors import one_line
+from engine.errors import RankError, one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
 from pipeline.run import chaos
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 MAX_OOM_HALVINGS = 4
 """Times a shard is retried at half the engine's max_batch_tokens before the job fails."""
+MAX_RANK_RESTARTS = 2
+"""Times a shard is redone on a restarted engine after a tensor-parallel rank died or hung."""
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +125,22 @@ class ShardWorker(EngineActor):
         failure: the engine is rebuilt with half its max_batch_tokens and the shard retried,
         up to MAX_OOM_HALVINGS times. Returns the records and the budgets retried at."""
         budgets: list[int] = []
+        restarts = 0
         while True:
             attempt = list(errors)  # the task marks failed rows in place; each try starts afresh
             try:
                 results = self.tasks.run(rows, ids, attempt)
                 errors[:] = attempt
                 return results, budgets
+            except RankError as exc:  # a tensor-parallel rank died or hung; the engine stopped them all
+                if restarts == MAX_RANK_RESTARTS:
+                    raise FatalShardError(f"tensor-parallel ranks failed {restarts + 1} times on one shard: "
+                                          f"{one_line(exc)}") from exc
+                restarts += 1
+                log.warning("%s: restarting the engine and redoing the shard (nothing of it was committed)",
+                            one_line(exc))
+                self._restart_engine()
+                continue
             except Exception as exc:  # noqa: BLE001
                 if not is_out_of_memory(exc):
                     raise
@@ -154,6 +166,12 @@ class ShardWorker(EngineActor):
         empty_device_cache()
         self._build_engine()
         return budget
+
+    def _restart_engine(self) -> None:
+        stop_engine(self.engine)
+        self.engine = self.tasks = None
+        gc.collect()
+        self._build_engine()
 
     def _build_engine(self) -> None:
         self.engine, self.tasks = start_engine(self.spec, config=self.engine_config)

@@ -97,3 +97,40 @@ def test_the_engine_is_built_and_run_on_one_thread_whatever_thread_calls_the_act
         record = json.loads(other.submit(worker, batch).result()["record"][0])
     assert record["oom_retries"] == 1 and record["rows"] == 6
     assert len(threads) == 4 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
+def engine_losing_a_rank(times: int, built: list):
+    """An engine factory whose first `times` engines fail their pass the way a tensor-parallel
+    engine does when a rank dies (RankError), as a real rank kill is too slow for this file;
+    tests/engine/test_tensor_parallel_failures.py kills real ranks."""
+    from engine.errors import RankError
+
+    real = engine_module.build_engine
+
+    def build(config):
+        engine = real(config)
+        built.append(engine)
+        if len(built) <= times:
+            def fail(*args, **kwargs):
+                raise RankError("tensor-parallel rank 1 (pid 4242) was killed by signal 9; all ranks are stopped")
+            engine.generate = fail
+        return engine
+
+    return build
+
+
+def test_a_lost_rank_restarts_the_engine_and_the_shard_is_redone_once(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(engine_module, "build_engine", engine_losing_a_rank(1, built))
+    record = json.loads(make_worker(tmp_path)(shard_batch(tmp_path))["record"][0])
+    assert len(built) == 2 and record["rows"] == 6 and record["errors"] == 0
+    table = pq.read_table(record["path"])
+    assert table["id"].to_pylist() == [f"in.jsonl:{i}" for i in range(6)]  # each row once
+
+
+def test_ranks_lost_again_and_again_fail_the_shard_in_one_line(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(engine_module, "build_engine", engine_losing_a_rank(99, built))
+    with pytest.raises(FatalShardError, match=r"tensor-parallel ranks failed 3 times on one shard: RankError"):
+        make_worker(tmp_path)(shard_batch(tmp_path))
+    assert len(built) == 3 and not (tmp_path / "out" / "data").exists()

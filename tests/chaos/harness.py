@@ -184,6 +184,52 @@ def s3_throttling(name: str, work: Path, every: int = 4) -> Outcome:
             proxy.shutdown()
 
 
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live process below `root` (read from /proc)."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            commands[int(entry.name)] = command.decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    below, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in below:
+                below[child] = commands.get(child, "")
+                frontier.append(child)
+    return below
+
+
+def tp_rank_kill(name: str, work: Path) -> Outcome:
+    """A job with engine.tensor_parallel_size 2 on CPU: once a part is committed, the engine
+    actor's rank process is SIGKILLed. The worker rebuilds its engine (a new rank) and redoes
+    the shard; the job completes in one run, every id once, and no rank process is left."""
+    expected = make_input(work)
+    inp, out, log = str(work / "in"), work / "out", work / "job.log"
+    proc = start(job_args(inp, str(out), "--set", "engine.tensor_parallel_size=2", "--set", "workers.num=1",
+                          "--set", "engine.distributed_timeout_s=10", tokens=FEW_TOKENS), log)
+    victim, seen = None, set()
+    while proc.poll() is None:  # watch the ranks to the end: the rebuilt engine's count as seen too
+        ranks = [pid for pid, cmd in _descendants(proc.pid).items() if "multiprocessing.spawn" in cmd]
+        seen.update(ranks)
+        if victim is None and ranks and left_behind(out)["parts"] >= 1:
+            victim = ranks[0]
+            os.kill(victim, signal.SIGKILL)
+        time.sleep(0.1)
+    code = finish(proc)
+    alive = [pid for pid in seen if Path(f"/proc/{pid}").exists()]
+    evidence = {"first_exit": code, "killed_rank": victim, "rank_pids_seen": len(seen), "ranks_left": len(alive)}
+    outcome = f"first run exit {code}, rank {victim} killed -> {'completed' if code == 0 else 'failed'}"
+    fired = victim is not None and len(seen) >= 2 and not alive  # a second rank: the engine was rebuilt
+    return count(name, expected, str(out), outcome, evidence, fired)
+
+
 def node_loss(name: str, work: Path, replacement: bool, while_listing: bool = False) -> Outcome:
     """A local two-node cluster (ray.cluster_utils.Cluster): the actors start on the worker node,
     which is removed mid-job (or while the driver lists inputs); with `replacement` a new node
@@ -301,6 +347,7 @@ def scenarios(work: Path) -> dict[str, Callable[[], Outcome]]:
         ("actor constructor fails", "f", two_attempts,
          dict(faults="init:raise", fired=lambda ev: ev["first_exit"] == 1 and ev["fault_logged"], tokens=FEW_TOKENS)),
         ("object storage throttling", "g", s3_throttling, {}),
+        ("tensor-parallel rank SIGKILL mid-shard", "k", tp_rank_kill, {}),
         ("node removed mid-job, replaced", "h", node_loss, dict(replacement=True)),
         ("node removed mid-job, not replaced", "i", node_loss, dict(replacement=False)),
         ("node removed while listing", "j", node_loss, dict(replacement=True, while_listing=True)),

@@ -184,7 +184,7 @@ def s3_throttling(name: str, work: Path, every: int = 4) -> Outcome:
             proxy.shutdown()
 
 
-def _descendants(root: int) -> dict[int, str]:
+def descendants(root: int) -> dict[int, str]:
     """pid -> command line of every live process below `root` (read from /proc)."""
     parents, commands = {}, {}
     for entry in Path("/proc").iterdir():
@@ -216,7 +216,7 @@ def tp_rank_kill(name: str, work: Path) -> Outcome:
                           "--set", "engine.distributed_timeout_s=10", tokens=FEW_TOKENS), log)
     victim, seen = None, set()
     while proc.poll() is None:  # watch the ranks to the end: the rebuilt engine's count as seen too
-        ranks = [pid for pid, cmd in _descendants(proc.pid).items() if "multiprocessing.spawn" in cmd]
+        ranks = [pid for pid, cmd in descendants(proc.pid).items() if "multiprocessing.spawn" in cmd]
         seen.update(ranks)
         if victim is None and ranks and left_behind(out)["parts"] >= 1:
             victim = ranks[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from chaos.harness import hook_env
+from chaos.harness import descendants, hook_env
 from helpers import committed_ids, read_output, write_jsonl
 from jobs.cli import main
 
@@ -56,7 +56,13 @@ def test_driver_sigkill_mid_generation_then_rerun(tmp_path):
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the job finished before it could be killed:\n" + (tmp_path / "run1.log").read_text()
+    below = descendants(proc.pid)  # its Ray's raylet and actors (these run in process groups of their own)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started: a crashed machine
+    for pid in below:  # an orphaned actor would otherwise go on committing the shards queued to it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     settle(out)
     killed_at = committed_ids(out)

@@ -48,6 +48,16 @@ STAGES = 2
 
 
 @triton.jit
+def _pool_tile(POOL, table, pos, pmask, kvh, offs_d, dmask, stride_b, stride_h, stride_s, BS: tl.constexpr,
+               dtype: tl.constexpr):
+    """Keys or values of positions `pos` (BLOCK_N,) of one row from the pool, through its block
+    table: (BLOCK_N, BLOCK_D) in `dtype`, zero where masked."""
+    blk = tl.load(table + pos // BS, mask=pmask, other=0).to(tl.int64)
+    addr = POOL + blk[:, None] * stride_b + kvh * stride_h + (pos % BS)[:, None] * stride_s + offs_d[None, :]
+    return tl.load(addr, mask=pmask[:, None] & dmask[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b with fp32 accumulation. UPCAST (under the interpreter, whose tl.dot multiplies bf16
     bit patterns as integers): through fp32, exact for bf16/fp16 operands."""
@@ -92,11 +102,7 @@ def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
     for start in range(seg_lo, seg_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < seg_hi
-        blk = tl.load(table + pos // BS, mask=pmask, other=0).to(tl.int64)
-        slot = pos % BS
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(K + blk[:, None] * stride_kb + kvh * stride_kh + slot[:, None] * stride_ks + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+        k = _pool_tile(K, table, pos, pmask, kvh, offs_d, dmask, stride_kb, stride_kh, stride_ks, BS, q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # (BLOCK_H, BLOCK_N) fp32
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
@@ -105,8 +111,7 @@ def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+        v = _pool_tile(V, table, pos, pmask, kvh, offs_d, dmask, stride_vb, stride_vh, stride_vs, BS, q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     if SPLIT:
@@ -176,11 +181,7 @@ def _chunk_kernel(Q, K, V, TABLES, SPANS, OUT,
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
-        blk = tl.load(table + kpos // BS, mask=kmask, other=0).to(tl.int64)
-        slot = kpos % BS
-        kv_mask = kmask[:, None] & dmask[None, :]
-        k = tl.load(K + blk[:, None] * stride_kb + kvh * stride_kh + slot[:, None] * stride_ks + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+        k = _pool_tile(K, table, kpos, kmask, kvh, offs_d, dmask, stride_kb, stride_kh, stride_ks, BS, q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # (BLOCK_M, BLOCK_N) fp32
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -194,8 +195,7 @@ def _chunk_kernel(Q, K, V, TABLES, SPANS, OUT,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+        v = _pool_tile(V, table, kpos, kmask, kvh, offs_d, dmask, stride_vb, stride_vh, stride_vs, BS, q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -10,6 +10,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ModelLoadError
+from parity import assert_same_tokens, reference
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 3, "abc", "Hello there, and more"]
 LOGPROB_TOL = 1e-4
@@ -20,22 +21,36 @@ def config(path, n: int, **kw) -> EngineConfig:
     return EngineConfig(model=str(path), max_batch_tokens=1024, max_num_seqs=8, tensor_parallel_size=n, **kw)
 
 
-@pytest.fixture(scope="module", params=[("llama", "continuous"), ("qwen2", "static"), ("phi3", "continuous")],
+@pytest.fixture(scope="module", params=[("llama", "continuous"), ("qwen2", "static"), ("phi3", "continuous"),
+                                        ("mistral", "static")],
                 ids=lambda p: "-".join(p))
 def engines(request, tiny_model_dir):
-    """(architecture, TP=1 engine, TP=2 engine), both in the same scheduling mode: llama and
-    qwen2 with GQA (qwen2 with Q/K/V biases), phi3 with fused qkv and gate_up projections split
-    inside their sections. Prefix caching is on (the default)."""
+    """(architecture, TP=1 engine, TP=2 engine, model dir), both engines in the same scheduling
+    mode: llama and qwen2 with GQA (qwen2 with Q/K/V biases), phi3 with fused qkv and gate_up
+    projections split inside their sections, mistral with a sliding window shorter than the long
+    prompt. Prefix caching is on (the default)."""
     arch, mode = request.param
     path = tiny_model_dir(arch)
     one = LLMEngine(config(path, 1, scheduling=mode))
     two = LLMEngine(config(path, 2, scheduling=mode))
-    yield arch, one, two
+    yield arch, one, two, path
     two.close()
 
 
+def test_greedy_tokens_equal_transformers(engines, reference_model, forgiveness):
+    """The shards' tokens against transformers' own greedy generate (one row at a time)."""
+    arch, _, two, path = engines
+    model = reference_model(path)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tokenizer = two.tokenizer
+    for prompt, ours in zip(PROMPTS, two.generate(PROMPTS, params)):
+        ids = tokenizer.encode(prompt)
+        ref, scores = reference(model, ids, 16, stop_at_eos=False)
+        assert_same_tokens(ours.token_ids, ref, scores, f"{arch} TP=2 {prompt[:12]!r}", forgiveness)
+
+
 def test_greedy_tokens_and_logprobs_equal_one_process(engines):
-    arch, one, two = engines
+    arch, one, two, _ = engines
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     for a, b in zip(one.generate(PROMPTS, params), two.generate(PROMPTS, params)):
         assert b.token_ids == a.token_ids, arch
@@ -45,14 +60,14 @@ def test_greedy_tokens_and_logprobs_equal_one_process(engines):
 
 
 def test_seeded_sampling_equals_one_process(engines):
-    arch, one, two = engines
+    arch, one, two, _ = engines
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i) for i in range(len(PROMPTS))]
     assert [c.token_ids for c in two.generate(PROMPTS, params)] == [c.token_ids for c in one.generate(PROMPTS, params)]
 
 
 def test_choice_scores_equal_one_process(engines):
     """Scoring forks copy a partial prompt block: the copy runs on every rank's pool."""
-    arch, one, two = engines
+    arch, one, two, _ = engines
     prompts, choices = ["The answer is", "Pick one of"], [[" yes", " no", " maybe"], [" red", " blue"]]
     for a, b in zip(one.score_choices(prompts, choices), two.score_choices(prompts, choices)):
         assert b.num_tokens == a.num_tokens
@@ -60,7 +75,7 @@ def test_choice_scores_equal_one_process(engines):
 
 
 def test_each_rank_holds_its_share_of_the_kv_heads(engines):
-    arch, one, two = engines
+    arch, one, two, _ = engines
     two.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
     one.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
     assert two.cache.allocated and one.cache.allocated
@@ -70,7 +85,7 @@ def test_each_rank_holds_its_share_of_the_kv_heads(engines):
 
 
 def test_close_stops_every_rank(engines):
-    arch, one, two = engines
+    arch, one, two, _ = engines
     pids = two.runner.ranks.pids
     two.close()
     assert not [p for p in multiprocessing.active_children() if p.pid in pids]

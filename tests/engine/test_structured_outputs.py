@@ -132,3 +132,32 @@ def test_the_compiled_grammar_cache_is_bounded(engines, monkeypatch):
     monkeypatch.setattr(grammar, "CACHE_BYTES", 1)
     llm.grammar.compile(StructuredOutputsParams(regex="y"))
     assert len(llm.grammar._compiled) == 1  # the newest stays, however large
+
+
+@pytest.mark.parametrize("rows", [None, [1, 4, 6]], ids=["every-row", "some-rows"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_bitmask_masks_exactly_what_xgrammars_kernel_does(rows, dtype):
+    """The additive CPU mask against xgrammar's own kernel, on masks with all-zero, all-one and
+    mixed words; a padded LM head's extra columns (past the grammar's vocabulary) are masked too."""
+    import torch
+    import xgrammar
+
+    from engine.grammar import apply_bitmask
+
+    vocab, padded, batch = 1000, 1024 + 16, 8
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    kind = torch.randint(0, 3, words.shape, generator=gen)
+    mask = torch.where(kind == 0, 0, torch.where(kind == 1, -1, words)).to(torch.int32)
+    logits = torch.randn(batch, padded, generator=gen).to(getattr(torch, dtype))
+    chosen = list(range(batch)) if rows is None else rows
+
+    ours = logits.clone()
+    apply_bitmask(ours, mask, chosen, vocab)
+    theirs = logits[:, :vocab].float().clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, mask, vocab_size=vocab, indices=chosen)
+    assert torch.equal(ours[:, :vocab].float(), theirs)
+    assert torch.isneginf(ours[chosen, vocab:]).all()  # no token of the grammar: never allowed
+    others = [i for i in range(batch) if i not in chosen]
+    assert torch.equal(ours[others], logits[others])  # rows without a grammar are untouched
+    assert 0 < int(torch.isneginf(ours[chosen, :vocab]).sum()) < len(chosen) * vocab

@@ -35,6 +35,10 @@ CACHE_BYTES = 512 << 20
 FAILED_ENTRIES = 1024
 """Most failed constraints remembered (with their error) per engine."""
 MAX_OVERDUE = 2
+FILL_THREADS = 1
+"""Threads xgrammar fills a step's masks with: one call for every row is ~3x faster than a call
+per row (64 rows at 32k: 0.04 against 0.12 ms), and a second thread only contends with the
+forward pass for the cores (10x slower on 2 shared cores)."""
 """Most compiles past their deadline that may still run; while they do, new constraints fail."""
 
 
@@ -73,6 +77,8 @@ class GrammarBackend:
         self._failed: OrderedDict[str, str] = OrderedDict()
         self._overdue: list[threading.Thread] = []
         self._bitmask: torch.Tensor | None = None
+        self._batch = None
+        """xgrammar's BatchGrammarMatcher: fills the masks of all constrained rows in one call."""
 
     def _xgr(self):
         import xgrammar
@@ -177,25 +183,26 @@ class GrammarBackend:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
         mask = self._bitmask[:rows]
-        for i in local:
-            seqs[i].matcher.fill_next_token_bitmask(mask, i)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in local], mask, indices=local)
         apply_bitmask(logits, mask, local, self.vocab_size)
 
     @staticmethod
     def accept(seqs: list[Sequence]) -> list[Sequence]:
         """Feeds each constrained row its new token; returns the rows whose grammar is complete
         (their output is whole: they stop)."""
-        done = []
-        for seq in seqs:
-            m = seq.matcher
-            if m is None or seq.finish_reason is not None:
-                continue
-            token = seq.output_token_ids[-1]
-            if not m.accept_token(token):
+        live = [s for s in seqs if s.matcher is not None and s.finish_reason is None]
+        if not live:
+            return []
+        import xgrammar
+
+        tokens = [s.output_token_ids[-1] for s in live]
+        accepted = xgrammar.BatchGrammarMatcher.batch_accept_token([s.matcher for s in live], tokens)
+        for seq, token, ok in zip(live, tokens, accepted):
+            if not ok:
                 log.warning("grammar rejected token %d of request %d", token, seq.index)
-            if m.is_terminated():
-                done.append(seq)
-        return done
+        return [s for s in live if s.matcher.is_terminated()]
 
     @staticmethod
     def stop_whole_at_length(seqs: list[Sequence]) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, chain_hashes
@@ -30,9 +32,10 @@ WATERMARK = 0.01
 """Share of the pool's blocks a new admission leaves free, so running rows can grow a while
 before anyone is preempted (vLLM keeps the same 1%)."""
 GROWTH_STEP = 0.25
-"""Each preemption makes admission hold back this much more of every running row's remaining
-max_tokens (Scheduler.growth, up to all of it): once rows are seen to outgrow the pool, new rows
-wait for room instead of being admitted only to be preempted and recomputed."""
+"""Each preemption makes admission expect every row to generate this much more of its remaining
+max_tokens (Scheduler.growth, up to all of it), and admit a row only if the peak of the rows'
+projected growth fits (Projection): once rows are seen to outgrow the pool, new rows wait for
+room instead of being admitted only to be preempted and recomputed."""
 GROWTH_DECAY = 0.02
 """...and each finished row lowers it by this much, so a job whose outputs stop early goes back to
 admitting rows for their prompts alone."""
@@ -103,7 +106,7 @@ class Scheduler:
         """Names of prompt blocks an admitted row is computing: a row needing one waits for it."""
         self.preemptions = 0
         self.growth = 0.0
-        """Share of their remaining max_tokens that admission reserves for running rows: 0 (rows
+        """Share of their remaining max_tokens that admission expects rows to generate: 0 (rows
         are admitted for prompt + next token) until the pool runs out; see GROWTH_STEP."""
         self._sorted = True
 
@@ -177,7 +180,7 @@ class Scheduler:
         if queue is None:
             return
         watermark = int(WATERMARK * self.pool.num_blocks)
-        reserve = sum(self._growth_blocks(s, len(s.block_ids)) for s in self.running) if self.growth else 0
+        projection = Projection(self.running, self.pool, self.growth) if self.growth else None
         i = 0
         while i < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = queue[i]
@@ -188,11 +191,12 @@ class Scheduler:
                 i += 1  # another row is computing this block right now: share it once it is done
                 continue
             need = self.pool.blocks_for(seq.num_tokens + 1) - len(cached)
-            grows = self._growth_blocks(seq, self.pool.blocks_for(seq.num_tokens + 1)) if self.growth else 0
-            free_after = self.pool.num_free - need - sum(self.pool.refs[b] == 0 for b in cached) - reserve - grows
-            if free_after < (watermark if self.running else 0):
+            free_after = self.pool.num_free - need - sum(self.pool.refs[b] == 0 for b in cached)
+            floor = watermark if self.running else 0
+            if free_after < floor:
                 break
-            reserve += grows
+            if projection is not None and not projection.fits(seq, need, free_after - floor):
+                break
             del queue[i]
             seq.block_ids = self.pool.table(cached, seq.num_tokens + 1)
             seq.num_computed_tokens = len(cached) * self.pool.block_size
@@ -206,12 +210,6 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
-
-    def _growth_blocks(self, seq: Sequence, held: int) -> int:
-        """Blocks beyond `held` that `seq` takes if it generates `growth` of its remaining max_tokens."""
-        left = seq.params.max_tokens - seq.num_output_tokens
-        target = min(seq.max_len, seq.num_tokens + 1 + math.ceil(self.growth * left))
-        return max(0, self.pool.blocks_for(target) - held)
 
     def _queue(self) -> list[Sequence] | None:
         """The requests that may be admitted now, in order (a list to take them from)."""
@@ -288,3 +286,50 @@ class Scheduler:
         seq.block_ids = []
         for name in [n for n, s in self.inflight.items() if s is seq]:
             del self.inflight[name]
+
+
+class Projection:
+    """The running rows' demand for blocks over the coming steps, if each generates `growth` of
+    its remaining max_tokens and then finishes: admission's test once rows have outgrown the pool.
+
+    Rows end at different times, and a row that ends frees its blocks for the rows still
+    growing, so the room a batch needs is the peak over time of what its rows hold, not the sum
+    of what each holds at its end: rows ending in 10 steps leave their blocks to rows ending in
+    400. The peak is taken at each row's last step (just before it frees its blocks), decode
+    rows gaining one token a step."""
+
+    def __init__(self, running: list[Sequence], pool: BlockPool, growth: float):
+        self.pool = pool
+        self.growth = growth
+        self.rows = [self._row(s, len(s.block_ids), self._own(s)) for s in running]
+        """(tokens now, tokens at the end, blocks held, blocks only it holds) per running row."""
+
+    def _own(self, seq: Sequence) -> int:
+        return sum(self.pool.refs[b] == 1 for b in seq.block_ids)
+
+    def _row(self, seq: Sequence, held: int, own: int) -> tuple[int, int, int, int]:
+        now = seq.num_tokens + 1
+        left = seq.params.max_tokens - seq.num_output_tokens
+        return now, min(seq.max_len, now + math.ceil(self.growth * left)), held, own
+
+    def peak(self, rows: list[tuple[int, int, int, int]]) -> int:
+        """Most blocks the rows take beyond what they hold now, over the steps until they end
+        (blocks that rows ending earlier free count against it)."""
+        now, end, held, own = np.array(rows, dtype=np.int64).T
+        steps = np.unique(end - now)[:, None]  # (T, 1): each row's last step
+        running = (end - now)[None, :] >= steps  # (T, N)
+        grown = -(-np.minimum(now[None, :] + steps, end[None, :]) // self.pool.block_size) - held
+        need = np.where(running, grown, -own[None, :]).sum(axis=1)
+        return max(0, int(need.max()))
+
+    def fits(self, seq: Sequence, blocks_now: int, free: int) -> bool:
+        """Whether `seq`, given `blocks_now` blocks now (after which `free` blocks are left above
+        the watermark), keeps the peak of every row's growth within those `free` blocks; if it
+        does, it counts among the rows from here on."""
+        row = self._row(seq, self.pool.blocks_for(seq.num_tokens + 1), blocks_now)
+        rows = self.rows + [row]
+        if self.peak(rows) > free:
+            return False
+        self.rows = rows
+        return True
+

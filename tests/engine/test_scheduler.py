@@ -170,12 +170,40 @@ def test_after_a_preemption_admission_holds_room_for_running_rows_to_grow():
     assert s.preemptions == 1, "no row admitted after the first preemption was preempted"
 
 
-def test_admission_reserves_the_share_of_running_rows_remaining_max_tokens_that_growth_says():
+def test_admission_holds_room_for_the_peak_of_growth_over_time_not_the_sum_of_the_ends():
+    """With growth, admission projects each row to `growth` of its remaining max_tokens: a row
+    that ends soon frees its blocks for the rows still growing, so what must fit is the peak
+    over the coming steps, not every row's end at once."""
     s = scheduler(blocks=10)
-    s.add(seq(0, 4, max_tokens=20))  # 2 blocks now, 6 at most
+    s.add(seq(0, 4, max_tokens=20))  # after one step: 2 blocks held, 6 at its end 18 steps on
     run(s, s.schedule())
-    s.growth = 1.0  # as after preemptions: row 0 may take 4 more blocks
-    s.add(seq(1, 16, max_tokens=4))  # 5 blocks now and at most: 5 + 4 > the 8 free
-    assert not s.schedule().admitted
-    s.growth = 0.5  # row 0 keeps ceil(0.5 * 19) tokens of room: 2 more blocks
+    s.growth = 1.0  # as after preemptions: rows are expected to use all their max_tokens
+    s.add(seq(1, 16, max_tokens=4))  # 5 blocks now and at its end, 3 steps on; 3 left free
+    # every end at once: row 0's 4 more blocks > 3; over time: at step 3 row 0 holds 3 (+1), and
+    # row 1's 5 blocks are free again long before row 0 needs its last ones
     assert [q.index for q in s.schedule().admitted] == [1]
+
+
+def test_a_row_whose_growth_would_overflow_the_pool_at_the_peak_waits():
+    s = scheduler(blocks=12)
+    s.add(seq(0, 4, max_tokens=20))
+    run(s, s.schedule())  # row 0: 2 blocks held, 6 at its end 18 steps on
+    s.add(seq(2, 8, max_tokens=20))  # 3 blocks now (7 left free), 7 at its end 19 steps on
+    s.growth = 1.0  # at step 18 row 0 needs 4 more and row 2 4 more: 8 > 7
+    assert not s.schedule().admitted
+    s.growth = 0.5  # both end 10 steps on, 2 more blocks each
+    assert [q.index for q in s.schedule().admitted] == [2]
+
+
+def test_the_projected_peak_counts_rows_that_end_earlier_as_freeing_their_own_blocks():
+    from engine.scheduler import Projection
+
+    pool = BlockPool(100, 4)
+    projection = Projection([], pool, growth=1.0)
+    # (tokens now, tokens at the end, blocks held, blocks only it holds)
+    assert projection.peak([(5, 5 + 8, 2, 2)]) == 2  # 13 tokens: 4 blocks, 2 more
+    # row b ends at step 4 (frees its 5 own blocks); row a grows 40 tokens: 10 more blocks by step 40
+    a, b = (1, 41, 0, 0), (20, 24, 5, 5)
+    assert projection.peak([a, b]) == max(2 + 1, 11 - 5)  # step 4: a 2 blocks, b 6 (+1); step 40: a 11, b gone
+    shared = (20, 24, 5, 0)  # the same row b, its blocks shared with another row: ending frees nothing
+    assert projection.peak([a, shared]) == 11

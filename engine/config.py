@@ -55,7 +55,7 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     """Deprecated and ignored: cached prefix blocks live in the KV pool's free blocks."""
     enforce_eager: bool = False
-    """Run decode steps eagerly (vLLM's name). Decode CUDA graphs are not captured over the paged pool yet, so every pass is eager today."""
+    """Run decode steps eagerly (vLLM's name): no CUDA graphs. By default decode passes on CUDA replay graphs captured per row bucket."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
     allow_pickle: bool = False

@@ -33,7 +33,7 @@ class PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         o = self.owner
         dtype = o.kv_dtype or key_states.dtype
-        shape = (o.num_blocks, key_states.shape[1], o.block_size)
+        shape = (o.physical_blocks, key_states.shape[1], o.block_size)
         self.keys = torch.zeros((*shape, key_states.shape[-1]), dtype=dtype, device=key_states.device)
         self.values = torch.zeros((*shape, value_states.shape[-1]), dtype=dtype, device=value_states.device)
         self.device = key_states.device
@@ -64,10 +64,16 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedKVCache(Cache):
-    """`num_blocks` blocks of `block_size` token slots for every decoder layer."""
+    """`num_blocks` blocks of `block_size` token slots for every decoder layer, and one spare
+    block (`scratch_block`) that no row owns: the padding rows of a replayed decode graph write
+    their keys and values there (engine.cuda_graph)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        """Index of the spare block (past the pool's blocks)."""
+        self.physical_blocks = num_blocks + 1
+        """Blocks the buffers hold: the pool's and the spare one."""
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self.key = 0
@@ -86,7 +92,8 @@ class PagedKVCache(Cache):
         return all(layer.is_initialized for layer in self.layers)
 
     def nbytes(self) -> int:
-        """Bytes of the pool (every layer's keys and values; 0 before the first forward pass)."""
+        """Bytes of the pool (every layer's keys and values, the spare block's too; 0 before the
+        first forward pass)."""
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
                    for t in (layer.keys, layer.values))
 

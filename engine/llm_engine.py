@@ -88,6 +88,8 @@ class LLMEngine:
         self.block_size = self.config.block_size
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
+        if self.runner.graphs_supported() and not self.config.enforce_eager:
+            self.runner.enable_graphs(self.config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
 
@@ -112,10 +114,10 @@ class LLMEngine:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
         manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
         With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
-        per_token = self.cache.nbytes() // self.pool_tokens if self.cache.allocated else kv_bytes_per_token(
-            self.runner)
+        kv_bytes = self.cache.nbytes() if self.cache.allocated else (
+            kv_bytes_per_token(self.runner) * self.cache.physical_blocks * self.block_size)  # the spare block too
         return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
-                "kv_bytes": per_token * self.pool_tokens, "weights_bytes": self.runner.weights_nbytes,
+                "kv_bytes": kv_bytes, "weights_bytes": self.runner.weights_nbytes,
                 "unquantized_weights_bytes": self.runner.unquantized_nbytes,
                 "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype,
                 "tensor_parallel_size": self.config.tensor_parallel_size}

@@ -74,7 +74,7 @@ def profile_pool_blocks(llm) -> int:
     runner.run(probe, chunks)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    per_block = probe.nbytes() // blocks
+    per_block = probe.nbytes() // probe.physical_blocks
     runner.drop_cache(probe)
     del probe
     torch.cuda.empty_cache()

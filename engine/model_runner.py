@@ -125,7 +125,8 @@ class ModelRunner:
             raise ModelLoadError(f"{type(self.model).__name__} takes no position_ids: the engine packs rows into "
                                  "one sequence and cannot give it each token's position")
         self._takes_logits_to_keep = "logits_to_keep" in params
-        self.graphs = None  # decode graphs over the paged pool: not captured yet (see README)
+        self.graphs = None
+        """engine.cuda_graph.DecodeGraphs once enabled (LLMEngine: CUDA, unless enforce_eager)."""
 
     def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None):
         """This rank's shard (quantized after sharding: each shard's own per-channel scales); rank 0
@@ -276,28 +277,54 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, cache: PagedKVCache, plan: PassPlan) -> torch.Tensor | None:
         """The pass of `plan` on this rank's shard; logits on rank 0 (None on the others, or
-        when no token is kept)."""
+        when no token is kept). A decode pass replays a CUDA graph where one serves it."""
+        if self.graphs is not None and self.graphs.eligible(plan):
+            logits = self.graphs.run(cache, plan)
+            if logits is not None:
+                return logits
         meta = self._device_metadata(plan)
         keep = plan.keep
-        cache.meta = meta
         if self.longrope is not None:
             self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
                 plan.long_tokens).to(self.device)
-        kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
-                  "position_ids": torch.from_numpy(plan.positions[None]).to(self.device)}
         index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
-        if index is not None and self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = index if len(keep) else torch.zeros(1, dtype=torch.int64, device=self.device)
-        input_ids = torch.tensor([plan.tokens], device=self.device)
-        try:
-            logits = self.model(input_ids=input_ids, **kwargs).logits[0]
-        finally:
-            cache.meta = None
+        logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
+                                   torch.from_numpy(plan.positions[None]).to(self.device),
+                                   index if index is None or len(keep) else torch.zeros(1, dtype=torch.int64,
+                                                                                        device=self.device))
         if self.rank or (index is not None and not len(keep)):
             return None
         if index is not None and not self._takes_logits_to_keep:
             logits = logits[index]
         return logits.float()
+
+    def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
+                     position_ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward over one packed pass: input_ids, position_ids (1, T) on the
+        device. Returns its logits (k, V) in the model's dtype: at token indices `keep` where the
+        model takes logits_to_keep, else at every token."""
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
+                  "position_ids": position_ids}
+        if keep is not None and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        cache.meta = meta
+        try:
+            return self.model(input_ids=input_ids, **kwargs).logits[0]
+        finally:
+            cache.meta = None
+
+    def enable_graphs(self, max_rows: int, max_blocks: int, capture: bool = True) -> None:
+        """Decode passes of up to `max_rows` rows holding up to `max_blocks` blocks each replay
+        CUDA graphs (engine.cuda_graph). `capture=False` runs the same static-buffer passes
+        eagerly (the CPU tests' way of checking them)."""
+        from engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_rows, max_blocks, capture=capture)
+
+    def graphs_supported(self) -> bool:
+        """Whether decode graphs can serve this runner: CUDA, one rank, no row-wise LongRoPE."""
+        return self.device.type == "cuda" and self.ranks is None and self.tensor_parallel_size == 1 \
+            and self.longrope is None
 
 
 @dataclass

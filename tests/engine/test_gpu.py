@@ -30,14 +30,13 @@ def test_fp32_greedy_matches_transformers_on_cuda(arch, mode, tiny_model_dir, re
                                  max_num_seqs=8, scheduling=mode))
     params = [SamplingParams(max_tokens=24 - 3 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
-    # decode graphs over the paged pool are not captured yet: this checks the eager paged path
+    assert llm.runner.graphs is not None and llm.runner.graphs.captures > 0, "decode ran from CUDA graphs"
     for p, sp, out in zip(PROMPTS, params, outs):
         ref, logits = reference_on("cuda", ref_model, llm.tokenizer.encode(p), sp.max_tokens)
         assert_same_tokens(out.token_ids, ref, logits, f"cuda {arch} {mode} {p[:12]!r}", forgiveness)
     ref_model.to("cpu")
 
 
-@pytest.mark.skip(reason="the paged engine captures no decode graphs yet (GPU-kernels issue): both runs would be eager")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_give_the_same_tokens_as_eager(dtype, tiny_model_dir):
     path = str(tiny_model_dir("llama"))
@@ -48,6 +47,8 @@ def test_graphs_give_the_same_tokens_as_eager(dtype, tiny_model_dir):
         llm = LLMEngine(EngineConfig(model=path, device="cuda", dtype=dtype, max_batch_tokens=2048,
                                      max_num_seqs=8, scheduling="continuous", enforce_eager=eager))
         runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        graphs = llm.runner.graphs
+        assert (graphs is None) if eager else (graphs.captures > 0 and graphs.replays > 0 and not graphs.failed)
     same = sum(a == b for a, b in zip(runs[False], runs[True]))
     print(f"{dtype}: graphs vs eager, {same}/{len(PROMPTS)} requests identical")
     if dtype == "float32":

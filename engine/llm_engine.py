@@ -114,8 +114,9 @@ class LLMEngine:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
         manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
         With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
-        kv_bytes = self.cache.nbytes() if self.cache.allocated else (
-            kv_bytes_per_token(self.runner) * self.cache.physical_blocks * self.block_size)  # the spare block too
+        per_token = (self.cache.nbytes() // (self.cache.physical_blocks * self.block_size) if self.cache.allocated
+                     else kv_bytes_per_token(self.runner))
+        kv_bytes = per_token * self.pool_tokens  # the pool's blocks (not the one spare block graphs pad into)
         return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
                 "kv_bytes": kv_bytes, "weights_bytes": self.runner.weights_nbytes,
                 "unquantized_weights_bytes": self.runner.unquantized_nbytes,

@@ -27,8 +27,12 @@ def job_cmd(inp: Path, out: Path) -> list[str]:
 
 
 def start(cmd, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """The command in its own session, with Ctrl-C's default disposition: a suite started in the
+    background of a non-interactive shell inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler, so an interrupt test would see a driver that never stops."""
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[2], env=env)
+                            cwd=Path(__file__).resolve().parents[2], env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def settle(out: Path, quiet_s: float = 3.0) -> None:

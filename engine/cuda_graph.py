@@ -70,13 +70,13 @@ class DecodeGraphs:
         n = len(plan.tokens)
         return (not self.failed and not plan.spans and plan.small is None and plan.long_tokens is None
                 and plan.keep is not None and len(plan.keep) == n == plan.tables.shape[0]
-                and (n == 0 or plan.keep[-1] == n - 1) and 0 < n <= self.max_rows
+                and 0 < n <= self.max_rows and plan.keep[-1] == n - 1
                 and plan.tables.shape[1] <= self.max_blocks)
 
     def run(self, cache, plan) -> torch.Tensor | None:
         """Logits (n, V) float32 of the decode pass `plan`, or None to run it eagerly. The
         logits are a view of the static output: read them before the next pass."""
-        if cache.scratch_block is None or not cache.allocated:
+        if not cache.allocated:
             return None
         if cache is not self.cache:
             self._reset(cache)

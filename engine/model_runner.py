@@ -288,10 +288,9 @@ class ModelRunner:
             self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
                 plan.long_tokens).to(self.device)
         index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
+        wanted = index if keep is None or keep else torch.zeros(1, dtype=torch.int64, device=self.device)
         logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
-                                   torch.from_numpy(plan.positions[None]).to(self.device),
-                                   index if index is None or len(keep) else torch.zeros(1, dtype=torch.int64,
-                                                                                        device=self.device))
+                                   torch.from_numpy(plan.positions[None]).to(self.device), wanted)
         if self.rank or (index is not None and not len(keep)):
             return None
         if index is not None and not self._takes_logits_to_keep:
@@ -323,8 +322,7 @@ class ModelRunner:
 
     def graphs_supported(self) -> bool:
         """Whether decode graphs can serve this runner: CUDA, one rank, no row-wise LongRoPE."""
-        return self.device.type == "cuda" and self.ranks is None and self.tensor_parallel_size == 1 \
-            and self.longrope is None
+        return self.device.type == "cuda" and self.tensor_parallel_size == 1 and self.longrope is None
 
 
 @dataclass

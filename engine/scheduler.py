@@ -17,10 +17,9 @@ continuous: any waiting request is admitted whenever rows and blocks allow.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
-
-from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, chain_hashes
 from engine.sequence import Sequence, Status
@@ -177,7 +176,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         queue = self._queue()
-        if queue is None:
+        if not queue:  # nothing may be admitted now
             return
         watermark = int(WATERMARK * self.pool.num_blocks)
         projection = Projection(self.running, self.pool, self.growth) if self.growth else None

@@ -69,6 +69,16 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores of query rows q against key tile k, (rows, BLOCK_N) fp32, soft-capped when SOFTCAP
+    (softcap * tanh(s / softcap), through exp: tl has no tanh)."""
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
                    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    stride_bt, stride_ot, stride_oh, scale, softcap, window, num_splits, H,
@@ -103,9 +113,7 @@ def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < seg_hi
         k = _pool_tile(K, table, pos, pmask, kvh, offs_d, dmask, stride_kb, stride_kh, stride_ks, BS, q.dtype)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # (BLOCK_H, BLOCK_N) fp32
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+        s = _scores(q, k, scale, softcap, SOFTCAP, PRECISION, UPCAST)  # (BLOCK_H, BLOCK_N)
         s = tl.where(pmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -182,9 +190,7 @@ def _chunk_kernel(Q, K, V, TABLES, SPANS, OUT,
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         k = _pool_tile(K, table, kpos, kmask, kvh, offs_d, dmask, stride_kb, stride_kh, stride_ks, BS, q.dtype)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # (BLOCK_M, BLOCK_N) fp32
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = _scores(q, k, scale, softcap, SOFTCAP, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
         valid = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         if WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)

@@ -79,6 +79,19 @@ def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, acc, s, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of the online softmax: the running max m_i, sum l_i and accumulator acc of
+    each query row, updated with the tile's scores s (-inf where masked) and values v. A row may
+    see nothing in a tile (before its window): its max stays -inf and its p 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
                    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    stride_bt, stride_ot, stride_oh, scale, softcap, window, num_splits, H,
@@ -115,13 +128,8 @@ def _decode_kernel(Q, K, V, TABLES, ROWS, CTX, OUT, PART_O, PART_LSE,
         k = _pool_tile(K, table, pos, pmask, kvh, offs_d, dmask, stride_kb, stride_kh, stride_ks, BS, q.dtype)
         s = _scores(q, k, scale, softcap, SOFTCAP, PRECISION, UPCAST)  # (BLOCK_H, BLOCK_N)
         s = tl.where(pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _pool_tile(V, table, pos, pmask, kvh, offs_d, dmask, stride_vb, stride_vh, stride_vs, BS, q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, PRECISION, UPCAST)
     if SPLIT:
         # an empty segment (a row shorter than the others) leaves lse = -inf: weight 0 in the merge
         part = (t * H + head) * num_splits + split  # (BLOCK_H,)
@@ -195,15 +203,8 @@ def _chunk_kernel(Q, K, V, TABLES, SPANS, OUT,
         if WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(valid, s, float("-inf"))
-        # a row may see nothing in a tile (before its window): keep its max at -inf, its p at 0
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _pool_tile(V, table, kpos, kmask, kvh, offs_d, dmask, stride_vb, stride_vh, stride_vs, BS, q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, PRECISION, UPCAST)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + (t0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(OUT.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])

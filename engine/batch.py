@@ -244,10 +244,11 @@ class Batch:
             st.max_prompt_len = max(st.max_prompt_len, *(s.num_prompt_tokens for s in fresh))
             st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in fresh))
         st.prompt_tokens += sum(s.num_prompt_tokens for s in fresh)
+        st.cached_prompt_tokens += sum(s.num_cached_tokens or 0 for s in fresh)
         for s in seqs:
             self._all[id(s)] = s
 
-    def count_pass(self, plan, used_tokens: int, prefill_tokens: int, cached_tokens: int) -> None:
+    def count_pass(self, plan, used_tokens: int, prefill_tokens: int) -> None:
         """A forward pass ran: its tokens, and the KV tokens in use after it."""
         st = self.stats
         decode_rows = sum(1 for c in plan.chunks if c.count == 1 and c.start >= c.seq.num_prompt_tokens)
@@ -257,7 +258,6 @@ class Batch:
             st.prefill_steps += 1
         st.computed_rows += decode_rows
         st.padded_prompt_tokens += prefill_tokens
-        st.cached_prompt_tokens += cached_tokens
         st.reserved_tokens = max(st.reserved_tokens, used_tokens)
         st.preemptions += len(plan.preempted)
 

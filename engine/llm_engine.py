@@ -211,9 +211,8 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             return self._out_of_memory(plan, exc)
         prefill = sum(c.count for c in plan.chunks if c.count > 1 or c.start < c.seq.num_prompt_tokens)
-        cached = sum(s.num_computed_tokens for s in plan.admitted)
         self.scheduler.update(plan)
-        self.batch.count_pass(plan, self.pool.num_used * self.block_size, prefill, cached)
+        self.batch.count_pass(plan, self.pool.num_used * self.block_size, prefill)
         sampled = [c.seq for c in plan.chunks if c.samples]
         if not sampled:
             return []

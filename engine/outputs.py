@@ -22,6 +22,9 @@ class Sample:
     """Per generated token: {token_id: logprob}, when asked."""
     error: str | None = None
     """Why the sample failed, when finish_reason is "error"."""
+    num_cached_tokens: int = 0
+    """Prompt tokens this sample found in the prefix cache (a sibling sample that computed the
+    prompt first leaves it all cached for the others)."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -50,6 +53,8 @@ class Completion:
     """The stop string or token id that ended the request, if any."""
     samples: list[Sample] = field(default_factory=list)
     """All n samples (also for n = 1); the fields above are sample 0's."""
+    num_cached_tokens: int = 0
+    """Prompt tokens sample 0 found in the prefix cache when first admitted (vLLM's name)."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -76,7 +81,9 @@ class BatchStats:
     padded_prompt_tokens: int
     """Prompt tokens computed by prefill chunks (no padding: equal to prompt_tokens less cached ones, plus recomputes)."""
     cached_prompt_tokens: int = 0
-    """Prompt tokens whose keys and values came from the prefix cache instead of a forward pass."""
+    """Prompt tokens whose keys and values came from the prefix cache instead of a forward pass
+    (at each row's first admission: a recompute after a preemption does not count again, so this
+    never exceeds prompt_tokens)."""
     peak_rows: int = 0
     """Most rows running at once; <= max_num_seqs."""
     prefill_steps: int = 0

@@ -38,6 +38,9 @@ class ChoiceScores:
     """Tokens in the prompt."""
     error: str | None = None
     """Why the row could not be scored (then logprobs is empty)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (the choices share the prompt's blocks: none
+    of them reads it again)."""
 
 
 def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
@@ -127,7 +130,8 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
         for seq in seqs:
             _name_full_blocks(llm, seq)
             pool.release(seq.block_ids)
-    return [ChoiceScores(t, [len(c) for c in cs], len(p)) for t, cs, p in zip(totals, choices, prompts)]
+    return [ChoiceScores(t, [len(c) for c in cs], len(p), num_cached_tokens=s.num_cached_tokens or 0)
+            for t, cs, p, s in zip(totals, choices, prompts, seqs)]
 
 
 def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
@@ -149,7 +153,7 @@ def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
                     later.append(r)
                     continue
                 seq.block_ids = pool.table(cached, seq.num_prompt_tokens)
-                seq.num_computed_tokens = len(cached) * bs
+                seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * bs
                 pool.count_lookup(seq.num_prompt_tokens, seq.num_computed_tokens)
                 inflight.update(seq.block_names[len(cached):])
             if budget <= 0:

@@ -57,7 +57,11 @@ class Sequence:
     block_names: list[bytes] = field(default_factory=list)
     """Chain names of its full blocks computed so far (memo for prefix caching)."""
     cached_tokens: int = 0
-    """Tokens whose keys and values came from cached blocks instead of a forward pass."""
+    """Tokens whose keys and values came from cached blocks instead of a forward pass (every
+    admission's, a recompute after a preemption included)."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the row was first admitted (vLLM's name);
+    None until then. A recompute after a preemption does not change it."""
     preemptions: int = 0
     """Times it was preempted (its blocks freed, recomputed later)."""
     sample_index: int = 0
@@ -110,7 +114,7 @@ class Sequence:
     def to_sample(self) -> Sample:
         return Sample(index=self.sample_index, text=self.text or "", token_ids=list(self.output_token_ids),
                       finish_reason=self.finish_reason or "error", stop_reason=self.stop_reason,
-                      logprobs=self.logprobs, error=self.error)
+                      logprobs=self.logprobs, error=self.error, num_cached_tokens=self.num_cached_tokens or 0)
 
     def to_completion(self) -> Completion:
         samples = self.group or [self]
@@ -124,4 +128,5 @@ class Sequence:
             logprobs=self.logprobs,
             stop_reason=self.stop_reason,
             samples=[s.to_sample() for s in samples],
+            num_cached_tokens=self.num_cached_tokens or 0,
         )

@@ -17,7 +17,7 @@ from engine.errors import RankError, one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
 from pipeline.run import chaos
-from pipeline.tasks import (cached_tokens, empty_device_cache, is_out_of_memory, output_table, start_engine,
+from pipeline.tasks import (empty_device_cache, is_out_of_memory, output_table, start_engine,
                             stop_engine)
 
 if TYPE_CHECKING:
@@ -97,16 +97,14 @@ class ShardWorker(EngineActor):
         read = time.perf_counter()
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
-        cached_before = cached_tokens(self.engine)
         results, budgets = self._run_tasks(rows, ids, errors)
         engine = time.perf_counter()
-        if self.output.format == "openai_batch":  # one line per request, with its n choices
-            table = self._openai_lines(rows, ids, results)
-        else:
-            table = output_table(self.spec, rows, ids, results)
+        lines = self.output.format == "openai_batch"  # one line per request, with its n choices
+        table = self._openai_lines(rows, ids, results) if lines else output_table(self.spec, rows, ids, results)
+        cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
         counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
-                         cached_prompt_tokens=cached_tokens(self.engine) - cached_before,
+                         cached_prompt_tokens=cached,
                          read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
                          oom_retries=len(budgets), oom_budgets=budgets,
                          max_batch_tokens=self._pool_tokens())

@@ -61,12 +61,6 @@ def empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def cached_tokens(engine) -> int:
-    """Prompt tokens the engine has served from its prefix cache so far."""
-    pool = getattr(engine, "pool", None)
-    return pool.hit_tokens if pool is not None else 0
-
-
 def share_cpu_threads(num_workers: int) -> None:
     """Ray caps a fractional-CPU actor at one math thread (OMP_NUM_THREADS=1); on a CPU-only
     node the engines should share the cores instead."""

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 @dataclass
 class RowResult:
     """One row's result. The first fields are output columns of the same name; `ran`, `request`,
-    `logprobs` and `samples` are not written as columns: they shape the row's OpenAI Batch line
-    and, with n > 1 samples, its output rows (one per sample)."""
+    `logprobs`, `samples` and `num_cached_tokens` are not written as columns: they shape the row's
+    OpenAI Batch line and, with n > 1 samples, its output rows (one per sample), or are counted in
+    the shard's record."""
 
     generated_text: str = ""
     """The generated text (label tasks that score choices: the chosen label); "" when the row failed."""
@@ -53,6 +54,8 @@ class RowResult:
     samples: list[RowResult] | None = None
     """A request of n > 1 samples that ran: one result per sample, in sample order (the fields
     above are sample 0's, as in engine.Completion); None otherwise."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache for this row (or sample)."""
 
     def sample_results(self, n: int = 1) -> list[RowResult]:
         """The results of the row's output rows: its samples, or, for a row that drew none (it
@@ -60,6 +63,16 @@ class RowResult:
         if self.samples is not None:
             return self.samples
         return [self] if n == 1 else [replace(self, sample_index=j, scores=dict(self.scores)) for j in range(n)]
+
+    def cached_prompt_tokens(self, per_sample: bool) -> int:
+        """Prompt tokens served by the prefix cache, counted as `num_prompt_tokens` is counted:
+        per sample row (`per_sample`), or once for the row (an OpenAI Batch line, whose usage
+        counts its prompt once). Once for the row is its samples' least: the sample that
+        computed the prompt found only what was cached before it, and its siblings read its blocks."""
+        samples = self.samples or [self]
+        if per_sample:
+            return sum(s.num_cached_tokens for s in samples)
+        return min(s.num_cached_tokens for s in samples)
 
     @property
     def failed(self) -> bool:

@@ -160,7 +160,7 @@ class TaskRunner:
             best = max(range(len(choices)), key=ranking.__getitem__)
             results[i] = RowResult(choices[best], sc.num_prompt_tokens, 0, "stop", None, label=choices[best],
                                    label_probs=_softmax(sc.logprobs), label_logprobs=sc.logprobs,
-                                   label_logprobs_per_token=per_token)
+                                   label_logprobs_per_token=per_token, num_cached_tokens=sc.num_cached_tokens)
 
     def _choice_prefix(self, prompt) -> str:
         prefix = self.spec.label.choice_prefix
@@ -228,9 +228,9 @@ def _generated(c, sp, req) -> RowResult:
     # a constraint that did not compile is the request's fault: the engine never ran it
     ran = not (c.finish_reason == "error" and (c.error or "").startswith("structured_outputs"))
 
-    def one(text, tokens, finish_reason, error, logprobs, index=0) -> RowResult:
+    def one(text, tokens, finish_reason, error, logprobs, index=0, cached=c.num_cached_tokens) -> RowResult:
         result = RowResult(text, c.num_prompt_tokens, tokens, finish_reason, error, sample_index=index, ran=ran,
-                           request=req, logprobs=logprobs)
+                           request=req, logprobs=logprobs, num_cached_tokens=cached)
         if sp.structured_outputs is not None and finish_reason == "length":
             result.error = INCOMPLETE
         return result
@@ -239,8 +239,8 @@ def _generated(c, sp, req) -> RowResult:
     if sp.n == 1:
         return result
     if len(c.samples) == sp.n:
-        result.samples = [one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index)
-                          for s in c.samples]
+        result.samples = [one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index,
+                              s.num_cached_tokens) for s in c.samples]
     else:
         result.samples = result.sample_results(sp.n)
     return result

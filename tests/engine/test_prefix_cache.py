@@ -172,3 +172,28 @@ def test_identical_prompts_whose_length_is_a_multiple_of_the_block_share_one_pre
     assert len({tuple(o.token_ids) for o in outs}) == 1
     assert llm.batch_stats[0].prefill_steps <= 2
     assert llm.batch_stats[0].cached_prompt_tokens == 7 * BLOCK_SIZE  # the last block is computed by each row
+
+
+def test_cached_tokens_count_each_prompt_once_per_request_and_sample(tiny_model_dir):
+    """n samples share their prompt's blocks: the sample that computes the prompt finds nothing
+    cached, its siblings find every full block; each Completion and Sample says so, and the
+    batch's cached tokens never exceed its prompt tokens."""
+    llm = engine(tiny_model_dir("llama"), True, "continuous", max_num_batched_tokens=4096)
+    prompt = [1] + [40 + i % 50 for i in range(3 * BLOCK_SIZE + 4)]  # 3 full blocks and a partial one
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, seed=3, n=4))[0]
+    assert sorted(s.num_cached_tokens for s in out.samples) == [0] + [3 * BLOCK_SIZE] * 3
+    assert out.num_cached_tokens == out.samples[0].num_cached_tokens
+    st = llm.batch_stats[0]
+    assert st.cached_prompt_tokens == 3 * 3 * BLOCK_SIZE <= st.prompt_tokens
+
+
+def test_a_recompute_after_preemption_is_not_a_prefix_cache_hit(tiny_model_dir):
+    """A preempted row that comes back finds its own blocks still cached; that is its own work
+    kept, not a prompt served by the cache, so the rows' cached tokens stay within their prompts."""
+    llm = engine(tiny_model_dir("llama"), True, "continuous", max_batch_tokens=1024, max_num_seqs=16)
+    prompts = [[1] + [3 + (7 * i + j) % 250 for j in range(40)] for i in range(16)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    stats = llm.batch_stats
+    assert sum(s.preemptions for s in stats) > 0
+    assert llm.pool.hit_tokens > 0  # the recomputes did find blocks cached
+    assert sum(s.cached_prompt_tokens for s in stats) == sum(o.num_cached_tokens for o in outs) == 0

@@ -21,7 +21,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, batched_tokens
 from engine.scoring import ChoiceScores, score_choices
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,10 @@ class LLMEngine:
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
                               str(self.runner.kv_dtype), self.runner.quantization)
         """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
+        longrope = self.runner.longrope
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.max_model_len,
-                                   self.max_num_batched_tokens, self.continuous, self.salt)
+                                   self.max_num_batched_tokens, self.continuous, self.salt,
+                                   long_rope_after=longrope.original if longrope is not None else None)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids)
@@ -184,6 +186,19 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return not self.batch.empty or self.scheduler.has_work()
+
+    def abort(self, reason: str = "aborted") -> list[Sequence]:
+        """Ends every unfinished request with finish_reason "error" and `reason` as its error, and
+        gives its blocks back to the pool, so the engine takes new requests. `generate` calls it
+        when a pass raises (out of memory in a pass of decoding rows, a tensor-parallel rank lost,
+        Ctrl-C) before the exception goes on. Returns the requests it ended."""
+        self.batch.remove(list(self.batch.seqs))
+        self.batch.stats = None
+        seqs = self.scheduler.abort()
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                seq.fail(reason)
+        return seqs
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -307,6 +322,10 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("generate() called while requests from add_request() are still running")
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while self.has_unfinished():
-            self.step()
+        try:
+            while self.has_unfinished():
+                self.step()
+        except BaseException as exc:
+            self.abort(f"generation stopped: {type(exc).__name__}")
+            raise
         return [s.to_completion() for s in seqs]

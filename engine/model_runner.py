@@ -241,7 +241,10 @@ class ModelRunner:
             keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
         long_tokens = None
         if self.longrope is not None:
-            flags = np.repeat([c.seq.num_tokens > self.longrope.original for c in chunks], counts)
+            # a prompt token is long when the whole prompt is, a generated one when its row was
+            # then (position + 1 tokens): also when a preempted row recomputes them all at once
+            prompt = np.repeat([c.seq.num_prompt_tokens for c in chunks], counts)
+            flags = np.maximum(prompt, positions + 1) > self.longrope.original
             long_tokens = flags if flags.any() else None
         return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
                         max_ctx=int((starts + counts).max()),

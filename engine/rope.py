@@ -3,9 +3,12 @@
 Phi-3's `longrope` uses its long factors once a sequence is longer than the model's original
 context, else its short ones. transformers decides from the largest position in the forward
 pass, which in a packed pass (or a padded batch) gives a short row the long factors. Here each
-token gets the factors its own row would get at batch size 1: long when the row holds more than
-`original_max_position_embeddings` tokens (its whole prompt for a prefill chunk, its length
-for a decode step).
+token gets the factors its own row would get at batch size 1: long when the row held more than
+`original_max_position_embeddings` tokens when transformers computed it (a prompt token: the
+whole prompt; a generated token at position p: p + 1), also when a row preempted past the
+switch recomputes its positions in one prefill. The factors a prompt's keys were computed with
+thus depend on the prompt's length, so the prefix cache names a long prompt's blocks apart
+(`Scheduler.salt_of`).
 """
 from __future__ import annotations
 

@@ -90,13 +90,16 @@ class Scheduler:
     at the end), the running rows in admission order, and the block pool they share."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 continuous: bool = False, salt: bytes = b""):
+                 continuous: bool = False, salt: bytes = b"", long_rope_after: int | None = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.continuous = continuous
         self.salt = salt
+        self.long_rope_after = long_rope_after
+        """LongRoPE's original length, or None: a longer prompt's keys are computed with the long
+        factors, so its blocks must not be shared with a shorter prompt's (see salt_of)."""
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.cohort: list[Sequence] = []
@@ -183,7 +186,7 @@ class Scheduler:
         i = 0
         while i < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = queue[i]
-            names = self._names(seq, seq.num_tokens - 1)
+            names = self._names(seq, seq.num_tokens - 1) if self.pool.caching else []
             cached = self.pool.match(names)
             nxt = names[len(cached)] if len(cached) < len(names) else None
             if nxt is not None and nxt in self.inflight:
@@ -241,10 +244,18 @@ class Scheduler:
         cohort, self.waiting = self.waiting[:k], self.waiting[k:]
         return cohort
 
+    def salt_of(self, seq: Sequence) -> bytes:
+        """The root of the row's block names: the engine's salt, set apart for a prompt longer than
+        LongRoPE's original length (its keys use the long factors from the first position)."""
+        if self.long_rope_after is not None and seq.num_prompt_tokens > self.long_rope_after:
+            return self.salt + b"|long-rope"
+        return self.salt
+
     def _names(self, seq: Sequence, limit: int) -> list[bytes]:
         """Chain names of the full blocks among the row's first `limit` tokens (memoised)."""
         if len(seq.block_names) < limit // self.pool.block_size:
-            seq.block_names = chain_hashes(seq.token_ids, self.pool.block_size, self.salt, limit, seq.block_names)
+            seq.block_names = chain_hashes(seq.token_ids, self.pool.block_size, self.salt_of(seq), limit,
+                                           seq.block_names)
         return seq.block_names[: limit // self.pool.block_size]
 
     # -- after the pass -----------------------------------------------------------------------
@@ -270,6 +281,16 @@ class Scheduler:
             self._leave(seq)
         if self.growth and seqs:
             self.growth = max(0.0, self.growth - GROWTH_DECAY * len(seqs))
+
+    def abort(self) -> list[Sequence]:
+        """Drops every request, running or waiting: running rows give their blocks back (named
+        blocks stay cached; a pass that failed named none of its blocks). Returns them."""
+        seqs = self.running + self.cohort + self.waiting
+        for seq in list(self.running):
+            self._leave(seq)
+        self.waiting, self.cohort = [], []
+        self.inflight.clear()
+        return seqs
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running row's blocks and queues it first, to be recomputed from its tokens."""

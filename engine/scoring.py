@@ -136,20 +136,23 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
 
 def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
     """Computes the prompts into pool blocks; -> float32 logits (R, V) at each one's last token.
-    A row whose next uncached block another row of the same pass computes waits for the next
-    pass, so shared prefixes are computed once."""
+    A row whose next uncached block another row is computing (in this pass or, for a prefill
+    longer than a pass, still) waits for it, so shared prefixes are computed once."""
     pool, bs = llm.pool, llm.block_size
     for seq in seqs:
-        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, llm.salt, seq.num_prompt_tokens - 1)
+        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, llm.scheduler.salt_of(seq), seq.num_prompt_tokens - 1)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     pending = list(range(len(seqs)))
     while pending:
-        chunks, rows, inflight, later, budget = [], [], set(), [], llm.max_num_batched_tokens
+        chunks, rows, later, budget = [], [], [], llm.max_num_batched_tokens
+        # blocks rows already under way have yet to compute (their prefill may span passes)
+        inflight = {name for r in pending if seqs[r].block_ids
+                    for name in seqs[r].block_names[seqs[r].num_computed_tokens // bs:]}
         for r in pending:
             seq = seqs[r]
             if not seq.block_ids:  # first visit: take the cached prefix, allocate the rest
                 cached = pool.match(seq.block_names)
-                if len(cached) < len(seq.block_names) and seq.block_names[len(cached)] in inflight:
+                if pool.caching and len(cached) < len(seq.block_names) and seq.block_names[len(cached)] in inflight:
                     later.append(r)
                     continue
                 seq.block_ids = pool.table(cached, seq.num_prompt_tokens)
@@ -180,6 +183,7 @@ def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
 def _name_full_blocks(llm, seq: Sequence) -> None:
     """Names the row's computed full prompt blocks, so later rows find them cached."""
     full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // llm.block_size
-    names = chain_hashes(seq.prompt_token_ids, llm.block_size, llm.salt, full * llm.block_size, seq.block_names)
+    names = chain_hashes(seq.prompt_token_ids, llm.block_size, llm.scheduler.salt_of(seq), full * llm.block_size,
+                         seq.block_names)
     for i in range(min(full, len(seq.block_ids))):
         llm.pool.name(seq.block_ids[i], names[i])

@@ -58,3 +58,39 @@ def test_architectures_the_engine_cannot_run_fail_at_load_in_one_line(tmp_path):
 def test_an_attention_implementation_in_extra_is_refused(tiny_model_dir):
     with pytest.raises(ModelLoadError, match="attn_implementation='sdpa' cannot be used"):
         LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), extra={"attn_implementation": "sdpa"}))
+
+
+def test_a_longrope_row_preempted_past_the_switch_recomputes_with_the_factors_it_had(tiny_model_dir):
+    """Three 30-token prompts grow past LongRoPE's switch (40 tokens) and outgrow a 160-token
+    pool: the row preempted after the switch recomputes its first 40 positions with the short
+    factors they were computed with, not the long ones its length now calls for."""
+    path = tiny_model_dir("phi3_longrope")
+    prompts = [list(range(3 + 60 * i, 33 + 60 * i)) for i in range(3)]
+    assert all(len(p) < LONGROPE_ORIGINAL < len(p) + 40 for p in prompts)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    roomy = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=2048, scheduling="continuous"))
+    tight = LLMEngine(EngineConfig(model=str(path), max_batch_tokens=160, scheduling="continuous"))
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert sum(s.preemptions for s in tight.batch_stats) > 0
+    assert got == want
+
+
+def test_longrope_prompts_on_either_side_of_the_switch_share_no_cached_blocks(tiny_model_dir):
+    """A prompt longer than the switch computes its keys with the long factors from the first
+    position, so it cannot reuse a shorter prompt's blocks (short factors) even where its tokens
+    start the same: its tokens equal caching off, and prompts on the same side still share."""
+    path = tiny_model_dir("phi3_longrope")
+    short = list(range(3, 35))  # 32 tokens: short factors
+    long = short + list(range(100, 120))  # 52 tokens: long factors
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        llm = LLMEngine(EngineConfig(model=str(path), enable_prefix_caching=caching))
+        llm.generate([short], params)
+        results[caching] = llm.generate([long], params)[0]
+        if caching:
+            assert results[caching].num_cached_tokens == 0
+            again = llm.generate([long + [7]], params)[0]
+            assert again.num_cached_tokens == 48  # a long prompt's blocks serve a long prompt
+    assert results[True].token_ids == results[False].token_ids

@@ -139,6 +139,22 @@ def test_rows_sharing_an_uncomputed_prefix_wait_for_the_first_to_compute_it():
     assert all(s.pool.refs[b] == 3 for b in first.block_ids[:4])
 
 
+def test_with_caching_off_rows_sharing_a_first_block_are_admitted_together():
+    """Without prefix caching nothing is shared, so there is nothing to wait for: identical
+    prompts (n samples, a shared system prompt) run together, not one after another."""
+    for caching, admitted in ((True, [1, 3]), (False, [4])):
+        s = scheduler(blocks=100, caching=caching)
+        for i in range(4):
+            s.add(Sequence(index=i, prompt_token_ids=[5] * 9, params=SamplingParams(max_tokens=4), seed=0))
+        plan = s.schedule()
+        counts = [len(plan.admitted)]
+        run(s, plan)
+        plan = s.schedule()
+        counts += [len(plan.admitted)] if plan.admitted else []
+        assert counts == admitted, caching
+        assert not s.inflight or caching
+
+
 def test_after_a_preemption_admission_holds_room_for_running_rows_to_grow():
     """Rows that outgrow the pool make the scheduler reserve part of every running row's
     remaining max_tokens before admitting another (instead of admitting it only to preempt and

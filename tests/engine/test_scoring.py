@@ -76,3 +76,15 @@ def test_second_pass_in_row_chunks_gives_the_same_scores(monkeypatch):
     chunked = llm.score_choices(prompts, choices)
     for a, b in zip(whole, chunked):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_a_shared_prompt_whose_prefill_spans_passes_is_computed_once():
+    """Two rows with one 60-token prompt, 16 tokens a pass: the second waits for the first's
+    blocks through all four passes of its prefill instead of computing them itself."""
+    llm = LLMEngine(EngineConfig(model="builtin:tiny", block_size=8, max_num_batched_tokens=16))
+    computed, run = [], llm.runner.run
+    llm.runner.run = lambda cache, chunks, **kw: (computed.append(sum(c.count for c in chunks)), run(cache, chunks, **kw))[1]
+    prompt = list(range(1, 61))
+    scores = llm.score_choices([prompt, prompt], [[[5]], [[6]]])
+    assert sum(computed) == 60 + 4  # the second row computes only its last, partial block
+    assert [s.num_cached_tokens for s in scores] == [0, 56]

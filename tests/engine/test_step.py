@@ -220,6 +220,32 @@ def test_out_of_memory_in_a_pass_requeues_its_prefills_and_the_engine_carries_on
     assert llm.pool.num_free == llm.pool.num_blocks
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory (simulated)"), KeyboardInterrupt()])
+def test_a_pass_that_raises_leaves_the_engine_usable(monkeypatch, error):
+    """Out of memory in a pass of decoding rows alone (no prefill to requeue) or Ctrl-C: the
+    error reaches the caller, the unfinished requests are ended, every block is back in the
+    pool, and the next generate() runs and gives the tokens of a fresh engine."""
+    prompts = [f"prompt {i} " + "q" * (6 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLMEngine(EngineConfig(model="builtin:tiny")).generate(prompts, params)]
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    real, passes = llm.runner.run, []
+
+    def run(cache, chunks, **kw):
+        passes.append(len(chunks))
+        if len(passes) == 5:  # a decode pass: every row past its prompt
+            assert all(c.count == 1 for c in chunks)
+            raise error
+        return real(cache, chunks, **kw)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    with pytest.raises(type(error)):
+        llm.generate(prompts, params)
+    assert not llm.has_unfinished() and llm.pool.num_free == llm.pool.num_blocks
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want and len(passes) > 5
+
+
 def test_the_engine_reports_its_pool_and_weights():
     llm = LLMEngine(EngineConfig(model="builtin:tiny", max_batch_tokens=1000, block_size=8))
     before = llm.memory

@@ -55,11 +55,12 @@ class DecodeGraphs:
         """The pool the graphs were captured over (they hold its buffers' addresses)."""
         self.pool = None
         self.failed = False
-        self.warmed_up = False
+        self.warmed: set[int] = set()
+        """Buckets whose pass has run once outside a capture (see _capture)."""
         self.captures = 0
         """Graphs captured so far."""
         self.capture_seconds = 0.0
-        """Host time spent capturing (and in the one warm-up pass)."""
+        """Host time spent capturing (and in each bucket's warm-up pass)."""
         self.replays = 0
         """Decode passes run from the static buffers (replayed, or eagerly with capture=False)."""
         self._buffers: dict[str, torch.Tensor] | None = None
@@ -97,7 +98,7 @@ class DecodeGraphs:
         """A new pool (the graphs point into the old one's buffers): capture again."""
         self.graphs.clear()
         self.pool = None
-        self.warmed_up = False
+        self.warmed = set()
         self.cache = cache
 
     def _allocate(self) -> dict[str, torch.Tensor]:
@@ -142,15 +143,17 @@ class DecodeGraphs:
     def _capture(self, b: int, cache) -> "torch.cuda.CUDAGraph | None":
         started = time.perf_counter()
         try:
-            if not self.warmed_up:
-                # Once, on a side stream: lazy initialisation and library workspaces must not
-                # happen inside a capture. It writes the keys and values the replay will write.
+            if b not in self.warmed:
+                # Each bucket once, on a side stream, before its capture: loading a kernel (a
+                # Triton variant is chosen by the bucket's rows: split-KV or not, its segment
+                # count), lazy initialisation and library workspaces are not allowed inside a
+                # capture. It writes the keys and values the replay will write.
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     self._forward(b, cache)
                 torch.cuda.current_stream().wait_stream(stream)
-                self.warmed_up = True
+                self.warmed.add(b)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
                 self._forward(b, cache)

@@ -324,8 +324,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_rows, max_blocks, capture=capture)
 
     def graphs_supported(self) -> bool:
-        """Whether decode graphs can serve this runner: CUDA, one rank, no row-wise LongRoPE."""
-        return self.device.type == "cuda" and self.tensor_parallel_size == 1 and self.longrope is None
+        """Whether decode graphs can serve this runner: CUDA, one rank, no row-wise LongRoPE, and
+        no dynamic rotary scaling (transformers compares the pass's largest position with a
+        tensor on the host each forward, which no capture allows)."""
+        dynamic = any("dynamic" in str(getattr(m, "rope_type", "")) for m in self.model.modules())
+        return self.device.type == "cuda" and self.tensor_parallel_size == 1 and self.longrope is None and not dynamic
 
 
 @dataclass

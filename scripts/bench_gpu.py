@@ -115,7 +115,8 @@ def run_engine(model_dir: Path, prompts, outputs, repeat: bool = False, **config
                        "prefill_s": round(prefill["seconds"], 3),
                        "decode_steps": sum(b.decode_steps for b in stats),
                        "graph_captures": graphs.captures - captures if graphs else 0,
-                       "capture_s": round(graphs.capture_seconds - capture_s, 3) if graphs else 0.0})
+                       "capture_s": round(graphs.capture_seconds - capture_s, 3) if graphs else 0.0,
+                       "graphs": bool(graphs and not graphs.failed), "graphs_failed": bool(graphs and graphs.failed)})
     return seconds, [o.token_ids for o in outs], llm, phases
 
 
@@ -187,7 +188,9 @@ def profile_decode(llm: LLMEngine, rows: int = 256, steps: int = 48) -> dict:
     while llm.has_unfinished():
         llm.step()
     stats = prof.key_averages()
-    kernel_us = sum(k.self_device_time_total for k in stats)  # every kernel and copy on the GPU
+    # every kernel and copy on the GPU, once: the profiler also credits each kernel's time to the
+    # CPU op that launched it, so only the device's own events are summed
+    kernel_us = sum(k.self_device_time_total for k in stats if k.device_type == torch.autograd.DeviceType.CUDA)
     counts = {k.key: k.count for k in stats}
 
     def count(name: str) -> int:
@@ -197,7 +200,8 @@ def profile_decode(llm: LLMEngine, rows: int = 256, steps: int = 48) -> dict:
             "gpu_busy": kernel_us / 1e6 / wall,
             "syncs_per_step": count("cudaStreamSynchronize") / steps,
             "memcpy_calls_per_step": count("cudaMemcpyAsync") / steps,
-            "kernel_launches_per_step": count("cudaLaunchKernel") / steps,
+            # Triton launches through the driver API, torch's kernels through the runtime's
+            "kernel_launches_per_step": sum(map(count, ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))) / steps,
             "graph_launches_per_step": count("cudaGraphLaunch") / steps}
 
 
@@ -317,7 +321,8 @@ def main_8b(args) -> None:
                      "limit": limit, "kv_tokens": llm.pool_tokens,
                      "peak_rows": max(b.peak_rows for b in llm.batch_stats),
                      "preemptions": sum(b.preemptions for b in llm.batch_stats),
-                     "graph_captures": llm.runner.graphs.captures if llm.runner.graphs else 0}
+                     "graph_captures": llm.runner.graphs.captures if llm.runner.graphs else 0,
+                     "graphs_failed": bool(llm.runner.graphs and llm.runner.graphs.failed)}
             results["systems"].append(entry)
             save()
             print(f"  engine {mode}: {seconds:.2f} s, {entry['tok_s']:,.0f} generated tok/s; limit "
@@ -406,7 +411,9 @@ def main() -> None:
                     f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in prof.items()
                     if not k.endswith("_runs")), flush=True)
             del llm
-            report(f"engine {mode} (CUDA graphs)", t, toks)
+            last = phases[-1]
+            how = "CUDA graphs" if last["graphs"] else "eager: graph capture failed" if last["graphs_failed"] else "eager"
+            report(f"engine {mode} ({how})", t, toks)
         if not args.skip_transformers:
             t, toks = run_transformers(model_dir, prompts, outputs)
             report("transformers generate, padded batches of 64, sorted", t, toks)

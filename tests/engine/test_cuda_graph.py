@@ -65,3 +65,83 @@ def test_only_decode_passes_that_sample_every_row_are_eligible():
     prefill, *decode = seen
     assert prefill == (len("a prompt of some length") + 1 + 2, False)  # the prompts' pass (+ BOS each)
     assert decode and all(ok for _, ok in decode)
+
+
+def test_each_bucket_runs_once_outside_a_capture_before_its_capture(monkeypatch):
+    """On CUDA no kernel may be loaded while a stream is captured, and the Triton variant a
+    decode pass launches depends on its bucket's rows (split-KV or not, its segment count). So
+    every bucket's pass runs once before its capture, not only the first bucket's: checked here
+    with stand-ins for the CUDA graph calls, replays running the captured pass."""
+    import contextlib
+
+    from engine.cuda_graph import DecodeGraphs
+
+    state = {"graph": None, "warm": set(), "cold_in_capture": []}
+
+    class Graph:
+        def replay(self):
+            self.forward()
+
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def capturing(graph, pool=None):
+        state["graph"] = graph
+        try:
+            yield
+        finally:
+            state["graph"] = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    forward = DecodeGraphs._forward
+
+    def spy(self, b, cache):
+        if state["graph"] is not None:
+            if b not in state["warm"]:
+                state["cold_in_capture"].append(b)
+            state["graph"].forward = lambda: forward(self, b, cache)
+            return
+        state["warm"].add(b)
+        forward(self, b, cache)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", spy)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    config = EngineConfig(model="builtin:tiny", max_batch_tokens=1024, max_num_seqs=8, block_size=8,
+                          scheduling="continuous")
+    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    want = [o.token_ids for o in LLMEngine(config).generate(PROMPTS, params)]
+    llm = LLMEngine(config)
+    llm.runner.enable_graphs(8, -(-llm.max_model_len // llm.block_size), capture=True)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    graphs = llm.runner.graphs
+    assert not graphs.failed and len(graphs.graphs) >= 3  # rows drained 6 -> 1 through buckets 8, 4, 2, 1
+    assert state["cold_in_capture"] == []
+    assert got == want
+
+
+def test_dynamic_rotary_scaling_keeps_decode_eager(tmp_path, monkeypatch, tiny_model_dir):
+    """transformers' dynamic rope compares the pass's largest position with its cached length on
+    the host every forward, which a capture cannot hold: such models decode eagerly instead of
+    failing a capture (and warning) on every run. Other models keep their graphs."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.builtin import byte_tokenizer
+
+    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    dynamic = LLMEngine(EngineConfig(model=str(tmp_path))).runner
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")))).runner
+    for runner in (dynamic, plain):
+        monkeypatch.setattr(runner, "device", torch.device("cuda"))  # only the check runs: nothing is allocated
+    assert not dynamic.graphs_supported() and plain.graphs_supported()

@@ -30,7 +30,8 @@ def test_fp32_greedy_matches_transformers_on_cuda(arch, mode, tiny_model_dir, re
                                  max_num_seqs=8, scheduling=mode))
     params = [SamplingParams(max_tokens=24 - 3 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
-    assert llm.runner.graphs is not None and llm.runner.graphs.captures > 0, "decode ran from CUDA graphs"
+    graphs = llm.runner.graphs
+    assert graphs is not None and graphs.captures > 0 and not graphs.failed, "decode ran from CUDA graphs"
     for p, sp, out in zip(PROMPTS, params, outs):
         ref, logits = reference_on("cuda", ref_model, llm.tokenizer.encode(p), sp.max_tokens)
         assert_same_tokens(out.token_ids, ref, logits, f"cuda {arch} {mode} {p[:12]!r}", forgiveness)
@@ -55,6 +56,23 @@ def test_graphs_give_the_same_tokens_as_eager(dtype, tiny_model_dir):
         assert same == len(PROMPTS)
     else:  # bf16 kernels may differ in the last bit between captured and eager runs; report, don't fail
         assert same >= len(PROMPTS) // 2
+
+
+def test_graphs_capture_every_bucket_as_rows_drain():
+    """32 rows ending one after another run in buckets 32 down to 1, whose decode passes launch
+    different Triton variants (split-KV or not, segment counts): each is captured, none fails,
+    and the tokens equal eager decoding."""
+    prompts = [[1] + [3 + (5 * i + j) % 250 for j in range(8 + i)] for i in range(32)]
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0, ignore_eos=True) for i in range(32)]
+    runs = {}
+    for eager in (False, True):
+        llm = LLMEngine(EngineConfig(model="builtin:tiny", device="cuda", dtype="float32", max_num_seqs=32,
+                                     scheduling="continuous", enforce_eager=eager))
+        runs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        if not eager:
+            graphs = llm.runner.graphs
+            assert not graphs.failed and len(graphs.graphs) >= 5, sorted(graphs.graphs)
+    assert runs[False] == runs[True]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 CUDA devices")

@@ -9,9 +9,9 @@ from pipeline.io.records import SUMMARY_FIELDS, CommitRecord, RunRecord
 from pipeline.io.source import (InputFiles, Shard, list_inputs, plan_file, plan_segment, plan_shards, read_schema_columns,
                                 read_shard)
 from pipeline.io.schema_files import load_schema, read_schema_files
-from pipeline.io.storage import Storage, redact, scrub, secret_values, with_retries
+from pipeline.io.storage import Storage, redact, redact_spec, scrub, secret_values, with_retries
 
 __all__ = ["FINAL_FILES", "INDEX_DIR", "LAYOUT", "PLAN_DIR", "RUNS_DIR", "SUMMARY_FIELDS", "CommitRecord", "arrow_owned", "decode", "encode", "IndexWriter",
            "InputError", "InputFiles", "LockHeld", "OutputDir", "RunLock", "RunRecord", "Shard", "Storage", "entries",
            "list_inputs", "load_schema", "part_entries", "plan_file", "plan_segment", "plan_shards", "read_schema_columns", "read_schema_files", "read_shard",
-           "redact", "scrub", "secret_values", "with_retries"]
+           "redact", "redact_spec", "scrub", "secret_values", "with_retries"]

@@ -77,11 +77,13 @@ class OutputDir:
         self.storage.write_atomic(self.storage.path("_SUCCESS"), b"")
 
     def clear(self) -> None:
+        """Deletes what an earlier job left (--overwrite): its parts, records, plan, index, final
+        files and its runs' records, whose time and cost belong to that job, not the next."""
         for name in ("_SUCCESS", "manifest.json", "_job.json", *FINAL_FILES):
             path = self.storage.path(name)
             if self.storage.exists(path):
                 self.storage.fs.rm(path)
-        for sub in ("data", "_progress", PLAN_DIR, "_index"):
+        for sub in ("data", "_progress", PLAN_DIR, "_index", RUNS_DIR):
             self.storage.remove_tree(self.storage.path(sub))
 
     # -- parts ----------------------------------------------------------------------------------

@@ -138,6 +138,16 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
+def redact_spec(spec: dict) -> dict:
+    """A job spec (as JSON) with the secrets of its storage options hidden and nothing else
+    touched: `max_tokens` or `stop_token_ids` are no secrets, whatever their names say."""
+    out = dict(spec)
+    for section in ("input", "output"):
+        if isinstance(out.get(section), dict) and "storage_options" in out[section]:
+            out[section] = {**out[section], "storage_options": redact(out[section]["storage_options"])}
+    return out
+
+
 def redact(value):
     """A copy of `value` with secret-looking option values replaced by '***'."""
     if isinstance(value, dict):

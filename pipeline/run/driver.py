@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.errors import one_line
 from pipeline.errors import InputError, JobError, LockHeld, OutputConflict, ResourceError
-from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact
+from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact_spec
 from pipeline.run import chaos
 from pipeline.run.dataflow import execute
 from pipeline.run.manifest import build_manifest, final_files
@@ -169,7 +169,7 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
         if record is None:
             spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
             record = {"fingerprint": job.fingerprint, "created": time.time(), **new_plan_record(),
-                      "spec": redact(spec)}
+                      "spec": redact_spec(spec)}
             out.write_json("_job.json", record)
         return record
     except OutputConflict:

@@ -6,7 +6,7 @@ import platform
 import time
 
 from engine import __version__
-from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact
+from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact_spec
 from pipeline.run.metrics import write_metrics
 from pipeline.run.openai_files import write_batch_files
 from pipeline.run.sample_metrics import SampleMetrics
@@ -40,7 +40,7 @@ def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTot
         "batchinfer_version": __version__,
         "layout": LAYOUT,
         "status": "complete",
-        "spec": redact(job.spec.model_dump(mode="json")),
+        "spec": redact_spec(job.spec.model_dump(mode="json")),
         "fingerprint": job.fingerprint,
         "model": job.spec.model,
         "format": out.format,

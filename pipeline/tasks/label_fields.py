@@ -6,8 +6,9 @@ each typed from the schema, so that every part of a job has the same Arrow schem
     enum / const -> the type all their values share     anyOf / a list of types -> the one
     non-null type they share. Anything else (mixed types, no type) -> string holding JSON text.
 
-A required property is a non-nullable field, an optional one nullable; the whole struct is null
-when the row failed. $ref into #/$defs (or #/definitions) is followed.
+A required property is a non-nullable field unless its schema admits null (a "null" type, an
+alternative, enum value or const that is null); an optional one is nullable; the whole struct is
+null when the row failed. $ref into #/$defs (or #/definitions) is followed.
 """
 from __future__ import annotations
 
@@ -33,8 +34,23 @@ def _cached(text: str) -> pa.StructType:
 
 def _struct(node: dict, root: dict) -> pa.StructType:
     required = set(node.get("required") or [])
-    return pa.struct([pa.field(name, arrow_type(prop, root), nullable=name not in required)
+    return pa.struct([pa.field(name, arrow_type(prop, root), nullable=name not in required or admits_null(prop, root))
                       for name, prop in node["properties"].items()])
+
+
+def admits_null(node, root: dict) -> bool:
+    """Whether a (sub)schema accepts null: a null type, or an alternative, enum value or const null."""
+    node = _deref(node, root)
+    if not isinstance(node, dict):
+        return False
+    if "const" in node:
+        return node["const"] is None
+    if "enum" in node:
+        return None in node["enum"]
+    kind = node.get("type")
+    if kind == "null" or (isinstance(kind, list) and "null" in kind):
+        return True
+    return any(admits_null(a, root) for a in node.get("anyOf") or node.get("oneOf") or [])
 
 
 def arrow_type(node, root: dict) -> pa.DataType:

@@ -127,6 +127,11 @@ def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
     code, text = run(*base[:-1], "sampling.max_tokens=5", "--overwrite")
     assert code == 0
     assert sorted(committed_ids(tmp_path / "out")) == ["in.jsonl:0", "in.jsonl:1"]
+    # the new job's record: its own spec as set (no value hidden for a name holding "token"), and
+    # its own usage (the replaced job's run records went with it)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["spec"]["sampling"]["max_tokens"] == 5 and manifest["usage"]["runs"] == 1
+    assert json.loads((tmp_path / "out" / "_job.json").read_text())["spec"]["sampling"]["max_tokens"] == 5
 
 
 def test_duplicate_ids_are_fatal_and_named(tmp_path):

@@ -136,6 +136,20 @@ def test_label_fields_are_typed_from_the_schema():
         field_values({"s": "x", "i": 1 << 70}, t)
 
 
+def test_a_required_property_that_admits_null_is_a_nullable_field():
+    """Required means present, not non-null: a required property typed ["string", "null"], or
+    anyOf with null, or an enum holding null, may be null, and its part must still be writable."""
+    from pipeline.io import encode
+
+    schema = {"type": "object", "required": ["a", "b", "e", "s"],
+              "properties": {"a": {"type": ["string", "null"]}, "b": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                             "e": {"enum": ["x", None]}, "s": {"type": "string"}}}
+    t = fields_type(schema)
+    assert [t.field(i).nullable for i in range(t.num_fields)] == [True, True, True, False]
+    value = field_values({"a": None, "b": None, "e": None, "s": "ok"}, t)
+    encode(pa.table({"label_fields": pa.array([value], t)}), "parquet")  # raised ArrowInvalid before
+
+
 def test_a_label_job_writes_label_json_and_typed_fields_and_cut_rows_are_errors(tiny):
     rows = [{"prompt": f"Review {i}: fine."} for i in range(4)]
     whole = TaskRunner(spec(task="label", label={"json_schema": REVIEW}, sampling={"max_tokens": 64,

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io import OutputDir, Shard, Storage, read_shard, redact, source, with_retries
+from pipeline.io import OutputDir, Shard, Storage, read_shard, redact, redact_spec, source, with_retries
 
 WRITER = """
 import os, sys, time
@@ -146,3 +146,19 @@ def test_redact_hides_secret_looking_options():
             "token": None}
     assert redact(opts) == {"endpoint_url": "http://x", "key": "***", "secret": "***",
                             "client_kwargs": {"aws_session_token": "***"}, "token": None}
+
+
+def test_a_spec_keeps_every_value_but_its_storage_secrets():
+    """Only the storage options hold secrets: max_tokens, max_batch_tokens or stop_token_ids are
+    recorded as they were set, in _job.json and the manifest."""
+    from pipeline.spec import JobSpec
+
+    spec = JobSpec(input={"path": "s3://b/in.jsonl", "storage_options": {"key": "AKIA", "endpoint_url": "http://x"}},
+                   output={"path": "s3://b/out", "storage_options": {"secret": "s3cr3t"}},
+                   sampling={"max_tokens": 7, "stop_token_ids": [2]}, engine={"max_batch_tokens": 4096})
+    shown = redact_spec(spec.model_dump(mode="json"))
+    assert shown["input"]["storage_options"] == {"key": "***", "endpoint_url": "http://x"}
+    assert shown["output"]["storage_options"] == {"secret": "***"}
+    assert shown["sampling"]["max_tokens"] == 7 and shown["sampling"]["stop_token_ids"] == [2]
+    assert shown["engine"]["max_batch_tokens"] == 4096
+    assert spec.input.storage_options["key"] == "AKIA"  # the spec itself is untouched

@@ -27,7 +27,7 @@ from fractions import Fraction
 import pyarrow as pa
 
 from pipeline.run.metrics import DECIMALS, WILSON_Z, _Tally
-from pipeline.spec import SAMPLE_INDEX, score_column
+from pipeline.spec import SAMPLE_INDEX, is_failed, score_column
 from pipeline.tasks import Normalizer, extract_answer, group_key, score_row
 
 
@@ -98,7 +98,7 @@ class _Tallies:
 
 
 class SampleMetrics:
-    """Streams over committed output tables of sample rows (id, sample_index, finish_reason,
+    """Streams over committed output tables of sample rows (id, sample_index, finish_reason, error,
     generated_text, score_<metric>, the reference and group columns, label for accuracy) and
     gives each metric's pass@k and maj@n, in total and per group."""
 
@@ -122,7 +122,7 @@ class SampleMetrics:
 
     def add(self, table: pa.Table) -> None:
         """Adds the input rows of one table; every sample of a row must be in it."""
-        wanted = ["id", SAMPLE_INDEX, "finish_reason", "generated_text", "label", self.reference_column,
+        wanted = ["id", SAMPLE_INDEX, "finish_reason", "error", "generated_text", "label", self.reference_column,
                   self.group_column, *map(score_column, self.metrics)]
         missing = [c for c in (self.reference_column, self.group_column) if c and c not in table.column_names]
         if missing:
@@ -165,8 +165,9 @@ class SampleMetrics:
         return passes, score_row(winner, samples[0].get(self.reference_column), rule, normalize_opts=self.normalize)
 
     def _answer(self, sample: dict, metric: str) -> str | None:
-        """The sample's vote: its normalised answer, or None (failed, no match, no label)."""
-        if sample.get("finish_reason") == "error":
+        """The sample's vote: its normalised answer, or None (failed, no match, no label). Failed
+        is as everywhere else (`is_failed`): an error, or a structured output cut by max_tokens."""
+        if is_failed(sample.get("finish_reason"), sample.get("error")):
             return None
         text = sample.get("label") if metric == "accuracy" else sample.get("generated_text")
         if metric == "regex_match" and text is not None:

@@ -68,11 +68,12 @@ class RowResult:
         """Prompt tokens served by the prefix cache, counted as `num_prompt_tokens` is counted:
         per sample row (`per_sample`), or once for the row (an OpenAI Batch line, whose usage
         counts its prompt once). Once for the row is its samples' least: the sample that
-        computed the prompt found only what was cached before it, and its siblings read its blocks."""
+        computed the prompt found only what was cached before it, and its siblings read its blocks.
+        A line with a failed sample is an error line, with no usage: none."""
         samples = self.samples or [self]
         if per_sample:
             return sum(s.num_cached_tokens for s in samples)
-        return min(s.num_cached_tokens for s in samples)
+        return 0 if any(s.failed for s in samples) else min(s.num_cached_tokens for s in samples)
 
     @property
     def failed(self) -> bool:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ class TaskRunner:
         else:
             completions = self.engine.generate(prompts, params) if prompts else []
             for i, c, sp, req in zip(todo, completions, params, requests):
-                results[i] = _generated(c, sp, req)
+                results[i] = _generated(c, sp, req, self.spec.sampling.n)
                 for result in results[i].sample_results():
                     if self.label_regex is not None:
                         self._parse_label(result)
@@ -221,10 +222,12 @@ class TaskRunner:
                 result.scores[name] = value
 
 
-def _generated(c, sp, req) -> RowResult:
+def _generated(c, sp, req, job_n: int = 1) -> RowResult:
     """The result of a completion; with n > 1, one result per sample (a request that failed before
-    it drew samples, or an engine that returns none, gives n copies of its one result). A
-    constrained row cut at max_tokens is an error: its structure never closed."""
+    it drew samples, or an engine that returns none, gives n copies of its one result). In a job
+    of `job_n` > 1 samples, an OpenAI Batch request asking for one gets one sample, not copies
+    of it labelled as others. A constrained row cut at max_tokens is an error: its structure
+    never closed."""
     # a constraint that did not compile is the request's fault: the engine never ran it
     ran = not (c.finish_reason == "error" and (c.error or "").startswith("structured_outputs"))
 
@@ -237,6 +240,8 @@ def _generated(c, sp, req) -> RowResult:
 
     result = one(c.text, c.num_generated_tokens, c.finish_reason, c.error, c.logprobs)
     if sp.n == 1:
+        if job_n > 1:
+            result.samples = [replace(result)]  # its one sample: the only row it writes
         return result
     if len(c.samples) == sp.n:
         result.samples = [one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index,

@@ -122,6 +122,21 @@ def test_maj_at_n_votes_on_the_extracted_answer_for_regex_match():
     assert entry["pass@1"]["mean"] == 0.5 and entry["pass@4"]["mean"] == 1.0
 
 
+def test_structured_outputs_cut_by_max_tokens_do_not_vote():
+    """Two samples cut before their JSON closed (finish "length", error INCOMPLETE) agree with
+    each other, but they failed as everywhere else: the one complete sample wins maj@3."""
+    from pipeline.spec import INCOMPLETE
+
+    rows = [{"id": "q", "sample_index": j, "generated_text": t, "finish_reason": f, "error": e, "answer": '{"a": 2}',
+             "score_exact_match": s}
+            for j, (t, f, e, s) in enumerate([('{"a": 1', "length", INCOMPLETE, None),
+                                               ('{"a": 1', "length", INCOMPLETE, None),
+                                               ('{"a": 2}', "stop", None, 1.0)])]
+    acc = SampleMetrics(["exact_match"], 3, None, reference_column="answer")
+    result = compute_metrics([pa.Table.from_pylist(rows)], ["exact_match"], None, acc)
+    assert result["metrics"]["exact_match"]["maj@3"]["sum"] == 1.0
+
+
 def test_a_row_with_fewer_samples_than_k_is_an_error():
     rows = [{"id": "q", "sample_index": 0, "generated_text": "x", "finish_reason": "stop", "answer": "x",
              "score_exact_match": 1.0}]

@@ -69,3 +69,36 @@ def test_body_n_above_1_needs_a_place_for_its_samples(engine):
     rows = table(engine, job, [request], ["r"]).to_pylist()
     assert len(rows) == 1 and rows[0]["finish_reason"] == "error"
     assert rows[0]["error"].startswith("body.n > 1 needs output.format openai_batch")
+
+
+def test_an_openai_request_asking_for_one_sample_writes_one_row_in_a_job_of_two(engine):
+    """sampling.n is the default; a request's body.n is what it gets: one sample is one row, not
+    two copies of it numbered 0 and 1 (which doubled its rows and tokens)."""
+    def request(custom_id, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **body}}
+
+    job = spec(input={"path": "-", "format": "openai_batch"}, output={"path": "-", "format": "jsonl"},
+               sampling={"n": 2})
+    rows = table(engine, job, [request("one", n=1), request("three", n=3), request("default")],
+                 ["one", "three", "default"]).to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in rows] == [("one", 0), ("three", 0), ("three", 1), ("three", 2),
+                                                             ("default", 0), ("default", 1)]
+    assert all(r["finish_reason"] == "length" for r in rows)
+
+
+def test_cache_hits_are_counted_as_the_rows_prompt_tokens_are():
+    """Per sample row: every sample's hits; per OpenAI Batch line: the prompt once (its samples'
+    least), and none for an error line, which reports no usage."""
+    from pipeline.tasks import RowResult
+
+    def sample(cached, finish="length", index=0):
+        return RowResult("t", 40, 2, finish, None if finish != "error" else "boom", sample_index=index,
+                         num_cached_tokens=cached)
+
+    ok = RowResult(samples=[sample(0), sample(32, index=1), sample(32, index=2)])
+    assert ok.cached_prompt_tokens(per_sample=True) == 64 and ok.cached_prompt_tokens(per_sample=False) == 0
+    shared = RowResult(samples=[sample(16), sample(32, index=1)])
+    assert shared.cached_prompt_tokens(per_sample=False) == 16
+    failed = RowResult(samples=[sample(16), sample(32, "error", 1)])
+    assert failed.cached_prompt_tokens(per_sample=False) == 0 and failed.cached_prompt_tokens(per_sample=True) == 48
+    assert sample(24).cached_prompt_tokens(per_sample=False) == 24

@@ -1,6 +1,7 @@
 """Engine configuration: the one place where engine defaults live."""
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 
@@ -78,7 +79,7 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, (int, float))
-                or self.distributed_timeout_s <= 0):
+                or not math.isfinite(self.distributed_timeout_s) or self.distributed_timeout_s <= 0):
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got "
                              f"{self.distributed_timeout_s!r}")
         if self.max_prefill_tokens is not None:

@@ -172,11 +172,14 @@ class ModelRunner:
         if self.quantization is None:
             return
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        # (a tensor-parallel rank other than 0 has no head: rank 0 computes the logits)
         packs = (self.device.type == "cpu" and self.dtype == torch.float32 and type(head) is torch.nn.Linear
                  and torch.backends.mkldnn.is_available())
-        tied = embedding is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
-        extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
-        self.unquantized_nbytes = weights_nbytes(model) + (extra if packs else 0)  # packing adds a zero bias
+        extra = 0
+        if packs:  # packing adds a zero bias
+            tied = embedding is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
+            extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
+        self.unquantized_nbytes = weights_nbytes(model) + extra
         quantize_model(model, self.quantization, self.dtype)
 
     def eos_token_ids(self) -> set[int]:

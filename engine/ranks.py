@@ -150,7 +150,11 @@ class RankGroup:
 
     def failure(self, exc: BaseException, in_pass: bool = True) -> BaseException:
         """Stops every rank; returns the error that names the rank that failed, else (every rank
-        alive) a RankError around `exc` for a pass, `exc` itself otherwise (rank 0's own load)."""
+        alive) a RankError around `exc` for a pass, `exc` itself otherwise (rank 0's own load). A
+        RankError already names its rank and cause (a rank's own report of its error): it stays."""
+        if isinstance(exc, RankError):
+            self.close(graceful=False)
+            return exc
         try:
             for proc in self.procs:  # a rank that failed is usually exiting as rank 0 learns of it
                 proc.join(FAIL_WAIT_S)

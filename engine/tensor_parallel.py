@@ -113,6 +113,14 @@ def load_shard(model_dir: Path, hf_config, attn_implementation: str, dtype: torc
     if rank:
         model.set_output_embeddings(NoHead(hf_config.vocab_size))
     _read_weights(model, model_dir, hf_config, styles, rank, n)
+    if not rank and getattr(hf_config, "tie_word_embeddings", False):
+        # the checkpoint holds the head once, as the input embedding (replicated on every rank);
+        # a model built under no_init_weights is not tied, so rank 0's head would stay unset
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if head.weight.shape != embedding.weight.shape:
+            raise ModelLoadError(f"tensor_parallel_size {n}: the tied head {tuple(head.weight.shape)} and input "
+                                 f"embedding {tuple(embedding.weight.shape)} differ in shape")
+        head.weight = embedding.weight
     if (model_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     return model.eval()

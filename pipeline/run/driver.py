@@ -166,10 +166,13 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
         record = out.read_json("_job.json")
         if record is not None and record.get("fingerprint") != job.fingerprint:
             raise OutputConflict(_conflict(job, record))
+        numerics = job.spec.numerics()
+        if record is not None and record.get("numerics", numerics) != numerics:  # older outputs did not record them
+            raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
         if record is None:
             spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
             record = {"fingerprint": job.fingerprint, "created": time.time(), **new_plan_record(),
-                      "spec": redact_spec(spec)}
+                      "numerics": numerics, "spec": redact_spec(spec)}
             out.write_json("_job.json", record)
         return record
     except OutputConflict:
@@ -186,6 +189,17 @@ def _conflict(job: Job, record: dict) -> str:
                 f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
     return (f"{where} holds the output of a different job spec (fingerprint {record.get('fingerprint')} != "
             f"{job.fingerprint}); use --overwrite to replace it")
+
+
+def _numerics_conflict(job: Job, was: dict, now: dict) -> str:
+    def say(n: dict) -> str:
+        return f"{n['dtype']} on {n['device']}"
+
+    how = ("workers.gpus 0" if was["device"] == "cpu" else "workers.gpus > 0") if job.spec.engine.device == "auto" \
+        else f"engine.device {was['device']}"
+    return (f"{job.spec.output.path} was generated in {say(was)}, and this run would compute in {say(now)} "
+            f"(engine.device {job.spec.engine.device}, engine.dtype {job.spec.engine.dtype}, workers.gpus "
+            f"{job.spec.workers.gpus:g}), which gives other rows: resume it with {how}, or use --overwrite to start afresh")
 
 
 def _result(status, out: OutputDir, manifest: dict, run: RunRecord) -> JobResult:

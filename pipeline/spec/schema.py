@@ -203,6 +203,16 @@ class JobSpec(_Section):
         check_gpus(self)
         return self
 
+    def numerics(self) -> dict:
+        """The device type and dtype the job's engines compute in, as `auto` resolves them in its
+        actors: CUDA when they hold GPUs (workers.gpus > 0), else CPU; bfloat16 on CUDA, float32
+        on CPU. Rows depend on them, yet workers.gpus is an execution setting outside the
+        fingerprint: an output records them, and a resume must compute as it did."""
+        device = self.engine.device
+        kind = device.split(":")[0] if device != "auto" else ("cuda" if self.workers.gpus > 0 else "cpu")
+        dtype = self.engine.dtype if self.engine.dtype != "auto" else ("bfloat16" if kind == "cuda" else "float32")
+        return {"device": kind, "dtype": dtype}
+
     def engine_config(self) -> EngineConfig:
         """The engine's configuration for this job: its model and seed, and the engine section."""
         return EngineConfig(model=self.model, seed=self.seed, **self.engine.model_dump())
@@ -218,9 +228,13 @@ class JobSpec(_Section):
                                                      "input": {"storage_options"},
                                                      "workers": {"num", "gpus", "cpus", "resource_wait_s"},
                                                      "report": True, "max_error_rate": True})
-        # Pure execution knobs never change output rows: they never count.
+        # Pure execution knobs never change output rows: they never count. Quantized, each rank
+        # quantizes its own shard (its own scales): the rank count then changes rows. No output of
+        # both was ever written before it counted (that combination did not load).
+        quantized_tp = data["engine"].get("quantization") is not None and data["engine"]["tensor_parallel_size"] > 1
         for knob in EXECUTION_FIELDS:
-            data["engine"].pop(knob, None)
+            if not (knob == "tensor_parallel_size" and quantized_tp):
+                data["engine"].pop(knob, None)
         if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
             data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
         # Fields added after 0.1 count only when set, so that outputs of older runs still resume
@@ -246,7 +260,8 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
                     "distributed_timeout_s")
-"""Engine fields that only change how the work is scheduled, never a row: not in the fingerprint."""
+"""Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
+(tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
 
 
 def check_gpus(spec: JobSpec) -> None:

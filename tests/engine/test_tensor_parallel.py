@@ -132,6 +132,42 @@ def test_tensor_parallel_size_is_validated(bad):
         EngineConfig(tensor_parallel_size=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -2.0, float("inf"), float("nan"), True, "30"])
+def test_distributed_timeout_is_a_finite_positive_number_of_seconds(bad):
+    with pytest.raises(ValueError, match="distributed_timeout_s must be a positive number of seconds"):
+        EngineConfig(tensor_parallel_size=2, distributed_timeout_s=bad)
+
+
 def test_a_numbered_cuda_device_is_refused_with_ranks():
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 runs on auto, cpu or cuda"):
         EngineConfig(tensor_parallel_size=2, device="cuda:1")
+
+
+def test_a_model_with_tied_embeddings_gives_one_process_tokens_and_logprobs(tiny_model_dir):
+    """Gemma 2 ties its head to the input embedding, so the checkpoint stores it once: rank 0's
+    head must be that embedding (it was left unset, and every row came out one repeated token)."""
+    path = tiny_model_dir("gemma2")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    one = LLMEngine(config(path, 1)).generate(PROMPTS, params)
+    with LLMEngine(config(path, 2)) as two:
+        outs = two.generate(PROMPTS, params)
+    for a, b in zip(one, outs):
+        assert b.token_ids == a.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert max(abs(step_a[t] - step_b[t]) for t in step_a) < LOGPROB_TOL
+
+
+def test_int8_weights_load_and_run_on_shards(tiny_model_dir):
+    """quantization int8 with two ranks: each rank quantizes its shard (rank 1 has no head to
+    quantize; it failed at load). Its rows are int8's, not one process's: other scales."""
+    path = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    full = LLMEngine(config(path, 1)).generate(PROMPTS, params)
+    with LLMEngine(config(path, 2, quantization="int8")) as two:
+        assert two.memory["quantization"] == "int8"
+        assert two.memory["weights_bytes"] < two.memory["unquantized_weights_bytes"]
+        outs = two.generate(PROMPTS, params)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in outs)
+    # int8 stays close to the float model: the first greedy token is the same
+    for a, b in zip(full, outs):
+        assert b.token_ids[0] == a.token_ids[0]

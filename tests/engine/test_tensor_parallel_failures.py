@@ -102,3 +102,17 @@ def test_ranks_die_with_a_killed_parent(tiny_model_dir, tmp_path):
         assert gone(pids[0], within_s=3.0)
     finally:
         parent.kill()
+
+
+def test_a_ranks_own_error_is_the_error_raised():
+    """A rank that reports its error (its exception, one line) and exits: the engine's RankError
+    is that report, not the bare exit code the rank shows once it is gone."""
+    from engine.ranks import RankGroup
+
+    ranks = RankGroup.__new__(RankGroup)
+    ranks.procs, stopped = [], []
+    ranks.close = lambda graceful=True: stopped.append(graceful)
+    ranks.check = lambda: (_ for _ in ()).throw(RankError("tensor-parallel rank 1 (pid 7) exited with code 1"))
+    report = RankError("tensor-parallel rank 1 (pid 7) failed: AttributeError: 'NoHead' object has no attribute "
+                       "'weight'; all ranks are stopped")
+    assert ranks.failure(report) is report and stopped == [False]

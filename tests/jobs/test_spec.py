@@ -175,8 +175,12 @@ def test_tensor_parallel_gpus_other_than_one_per_rank_are_refused_in_one_line(gp
                               "or leave it unset with engine.device: cuda")
 
 
-def test_tensor_parallel_settings_never_change_the_fingerprint():
+def test_tensor_parallel_settings_change_the_fingerprint_only_when_quantized():
     base = spec().fingerprint()
     assert spec("engine.tensor_parallel_size=2", "engine.distributed_timeout_s=30").fingerprint() == base
+    # each rank quantizes its own shard, with its own scales: 1 and 2 ranks give other rows
+    int8 = spec("engine.quantization=int8").fingerprint()
+    assert spec("engine.quantization=int8", "engine.tensor_parallel_size=1").fingerprint() == int8 != base
+    assert spec("engine.quantization=int8", "engine.tensor_parallel_size=2").fingerprint() != int8
     with pytest.raises(SpecError, match="engine.tensor_parallel_size: tensor_parallel_size must be a positive"):
         spec("engine.tensor_parallel_size=0")

@@ -20,3 +20,36 @@ def test_the_spec_dict_older_callers_pass_gives_the_same_job():
     data = spec.model_dump(mode="json") | {"fingerprint": spec.fingerprint()}
     assert Job.from_dict(data) == Job.of(spec)
     assert Job.from_dict(data | {"fingerprint": "kept"}).fingerprint == "kept"
+
+
+def test_an_output_resumes_only_in_the_numerics_it_was_generated_in(tmp_path):
+    """workers.gpus is no part of the fingerprint, yet with engine.device and dtype auto it moves
+    the engines from float32 on CPU to bfloat16 on CUDA, which gives other rows: the output
+    records what it was generated in, and a resume that would compute otherwise is refused in
+    one line saying how to resume it. An output from before the record resumes as it did."""
+    import pytest
+
+    from pipeline.errors import OutputConflict
+    from pipeline.io import OutputDir, Storage
+    from pipeline.run.driver import _claim_output
+
+    def job(**workers):
+        return Job.of(validate({"input": {"path": "-"}, "output": {"path": str(tmp_path / "out")},
+                                "workers": workers}))
+
+    cpu, gpu = job(), job(gpus=1)
+    assert cpu.fingerprint == gpu.fingerprint
+    assert cpu.spec.numerics() == {"device": "cpu", "dtype": "float32"}
+    assert gpu.spec.numerics() == {"device": "cuda", "dtype": "bfloat16"}
+    out = OutputDir(Storage(str(tmp_path / "out")), "parquet")
+    assert _claim_output(out, cpu, overwrite=False)["numerics"] == cpu.spec.numerics()
+    assert _claim_output(out, job(gpus=0), overwrite=False)  # the same numerics resume
+    with pytest.raises(OutputConflict) as err:
+        _claim_output(out, gpu, overwrite=False)
+    message = str(err.value)
+    assert "float32 on cpu" in message and "bfloat16 on cuda" in message and "workers.gpus 0" in message
+    assert "\n" not in message
+    record = out.read_json("_job.json")
+    del record["numerics"]  # as written before outputs recorded them
+    out.write_json("_job.json", record)
+    assert _claim_output(out, gpu, overwrite=False)

@@ -7,12 +7,21 @@ from engine.tokenizer import Tokenizer, find_stop
 
 def stop_string_hits(tokenizer: Tokenizer, rows: list[tuple[int, Sequence]]) -> set[int]:
     """Keys of the rows whose latest tokens complete one of their stop strings (one decode
-    call for all). `rows`: (key, sequence) of rows with stop strings that may stop now."""
+    call for all). `rows`: (key, sequence) of rows with stop strings that may stop now. A row
+    whose window still reaches into its first min_tokens tokens is checked on its whole output
+    instead: a stop string held back there is no hit now."""
     if not rows:
         return set()
-    windows = [s.output_token_ids[-s.stop_checker.window:] for _, s in rows]
-    texts = tokenizer.decode_windows(windows)
-    return {key for (key, s), text in zip(rows, texts) if s.stop_checker.found(text)}
+    near = [(key, s) for key, s in rows
+            if s.params.min_tokens and s.num_output_tokens <= s.params.min_tokens + s.stop_checker.window]
+    far = [(key, s) for key, s in rows if not near or (key, s) not in near]
+    texts = tokenizer.decode_windows([s.output_token_ids[-s.stop_checker.window:] for _, s in far])
+    hits = {key for (key, s), text in zip(far, texts) if s.stop_checker.found(text)}
+    if near:
+        whole = tokenizer.decode_batch([s.output_token_ids for _, s in near])
+        hits |= {key for (key, s), text in zip(near, whole)
+                 if find_stop(text, s.params.stop, _held_back(tokenizer, s)) is not None}
+    return hits
 
 
 def is_stop_id(tokenizer: Tokenizer, seq: Sequence, token: int) -> bool:
@@ -28,12 +37,12 @@ def finish_rows(tokenizer: Tokenizer, seqs: list[Sequence], now: float) -> None:
                  for s, out in zip(seqs, outs)]
     texts = tokenizer.decode_batch([out if keep else out[:-1] for out, keep in zip(outs, keep_last)])
     for seq, out, keep, text in zip(seqs, outs, keep_last, texts):
-        start = _stops_from(tokenizer, seq)
-        hit = find_stop(text, seq.params.stop, start) if seq.params.stop else None
+        held = _held_back(tokenizer, seq)
+        hit = find_stop(text, seq.params.stop, held) if seq.params.stop else None
         if hit is not None:
             if not keep:  # the stop string counts from the whole output
                 text = tokenizer.decode(out)
-                hit = find_stop(text, seq.params.stop, start) or hit
+                hit = find_stop(text, seq.params.stop, held) or hit
             at, stop = hit
             seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
             seq.finish("stop", stop)
@@ -47,10 +56,9 @@ def finish_rows(tokenizer: Tokenizer, seqs: list[Sequence], now: float) -> None:
         seq.finish_time = now
 
 
-def _stops_from(tokenizer: Tokenizer, seq: Sequence) -> int:
-    """Where in the text a stop string may start: one that ends within the first min_tokens
-    tokens does not count (min_tokens holds back stop strings as it holds back EOS)."""
+def _held_back(tokenizer: Tokenizer, seq: Sequence) -> int:
+    """Characters of the text that the first min_tokens tokens make: a stop string that ends
+    within them does not count (min_tokens holds back stop strings as it holds back EOS)."""
     if not seq.params.min_tokens or not seq.params.stop:
         return 0
-    head = tokenizer.decode(seq.output_token_ids[: seq.params.min_tokens])
-    return max(0, len(head) - max(len(s) for s in seq.params.stop) + 1)
+    return len(tokenizer.decode(seq.output_token_ids[: seq.params.min_tokens]))

@@ -58,6 +58,26 @@ def json_schema_ebnf(xgr, schema) -> str:
     return text.replace(UNESCAPED_CHAR, STRICT_CHAR)
 
 
+def ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: backslash, quote and control characters escaped (a raw
+    newline or carriage return ends a literal in xgrammar's lexer)."""
+    out = []
+    for ch in text:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 class _Busy(ValueError):
     """Too many overdue compiles still run: this constraint was not tried."""
 
@@ -158,7 +178,7 @@ class GrammarBackend:
         if params.regex is not None:
             return c.compile_regex(params.regex)
         if params.choice is not None:
-            alternatives = " | ".join('"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"' for s in params.choice)
+            alternatives = " | ".join(map(ebnf_literal, params.choice))
             return c.compile_grammar(f"root ::= {alternatives}")
         if params.grammar is not None:
             return c.compile_grammar(params.grammar)

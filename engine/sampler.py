@@ -124,11 +124,14 @@ class Sampler:
         steps (B,): tokens each row has generated so far (the noise counter).
         output_counts (B, V): occurrences of each token in each row's output (for penalties).
         seen (B, V) bool: tokens in each row's prompt or output (for repetition_penalty).
-        banned (B, V) bool: tokens a row may not pick now (stop tokens before min_tokens).
+        banned (B, V) bool: tokens a row may not pick now (stop tokens before min_tokens). A ban
+        that would leave a row no token at all (a grammar that allows only its end, which
+        min_tokens holds back) is lifted for that row: the grammar wins, not token 0.
         """
         logprobs = torch.log_softmax(logits, dim=-1) if flags.logprobs else None
         if banned is not None:
-            logits = logits.masked_fill(banned, float("-inf"))
+            kept = logits.masked_fill(banned, float("-inf"))
+            logits = torch.where((kept > float("-inf")).any(dim=-1, keepdim=True), kept, logits)
         if output_counts is not None:
             logits = apply_penalties(logits, st, output_counts, seen)
         greedy = argmax(logits)
@@ -213,7 +216,10 @@ def _filter(logits: torch.Tensor, st: SamplingTensors, flags: SamplingFlags) -> 
     if use_p:
         probs = sorted_logits.masked_fill(drop, neg_inf).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop |= before >= st.top_p[:, None]  # the first token always stays (before == 0)
+        # the first token always stays (before == 0); a row at top_p 1 keeps every token, even
+        # where the float32 cumsum reaches 1 before the tail (it then sampled otherwise in a batch
+        # with a top_p row than alone)
+        drop |= (before >= st.top_p[:, None]) & (st.top_p[:, None] < 1)
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, neg_inf))
 
 

@@ -1,6 +1,7 @@
 """Per-request sampling settings, with vLLM's field names."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.config import _field_docs
@@ -8,6 +9,11 @@ from engine.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128
 """Most samples one request may ask for (n)."""
+MAX_LOGPROBS = 20
+"""Most alternatives a token's logprobs may list (vLLM's default max_logprobs; OpenAI's top_logprobs limit)."""
+MAX_INT64 = (1 << 63) - 1
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples as greedy (as vLLM does): dividing by it overflows float32."""
 
 
 @dataclass
@@ -19,7 +25,7 @@ class SamplingParams:
     min_tokens: int = 0
     """Tokens to generate before EOS or stop_token_ids may end the request."""
     temperature: float = 1.0
-    """Softmax temperature; 0 = greedy (argmax)."""
+    """Softmax temperature; 0 (or below 1e-5) = greedy (argmax)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 or -1 = all."""
     top_p: float = 1.0
@@ -41,7 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence from the logit of tokens already generated; in [-2, 2]."""
     logprobs: int | None = None
-    """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only)."""
+    """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only; N <= 20)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
     n: int = 1
@@ -59,23 +65,25 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0)
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         _check_int("top_k", self.top_k, low=-1)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
+            _check_int("seed", self.seed, low=0, high=MAX_INT64)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0)
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @classmethod
@@ -83,16 +91,18 @@ class SamplingParams:
         return _field_docs(cls)
 
 
-def _check_int(name: str, value, low: int) -> None:
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
 def _check_float(name: str, value, low: float, high: float | None = None, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low or (low_open and value == low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:

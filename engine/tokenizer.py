@@ -87,12 +87,13 @@ class Tokenizer:
             return self.decode_windows([[i] for i in range(len(self.hf))])
 
 
-def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
-    """Earliest (index, stop string) in text[start:], or None. Indexes are character offsets,
-    so a cut there never splits a multi-byte character."""
+def find_stop(text: str, stops: list[str], ends_after: int = 0) -> tuple[int, str] | None:
+    """Earliest (index, stop string) in text among the occurrences that end after the first
+    `ends_after` characters (each stop string by its own length), or None. Indexes are character
+    offsets, so a cut there never splits a multi-byte character."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        at = text.find(stop, start)
+        at = text.find(stop, max(0, ends_after - len(stop) + 1))
         if at >= 0 and (best is None or at < best[0]):
             best = (at, stop)
     return best
@@ -102,7 +103,9 @@ class StopStringChecker:
     """Finds a request's stop strings as tokens arrive by decoding only a window of its last
     tokens, never the whole output: the window holds every token a stop string can span (a
     character may take up to 4 byte-level tokens), plus the token before it. Since a request
-    stops at its first stop string, any stop string inside the window is a new one."""
+    stops at its first stop string, any stop string inside the window is a new one, except
+    within a window of min_tokens, where held-back ones stay (`stop_string_hits` checks those
+    rows against their whole output)."""
 
     def __init__(self, stops: list[str], enders: np.ndarray | None = None):
         self.stops = stops

@@ -92,6 +92,23 @@ def test_min_tokens_holds_back_eos(llm, monkeypatch):
     assert out.token_ids[2] not in llm.tokenizer.eos_token_ids
 
 
+@pytest.mark.parametrize("stops", [["A"], ["A", "zzzz"]])
+def test_a_stop_string_held_back_by_min_tokens_neither_ends_the_row_then_nor_later(llm, monkeypatch, stops):
+    """"A" ends at the 2nd token, inside min_tokens=4: it is held back, and the row runs on to
+    its EOS ("stop" by EOS, the whole text). Neither a later token rechecking the window (it
+    ended the row as "length") nor a longer stop string beside it (it moved where "A" may count
+    from) may let it count."""
+    script(llm, "xAbcd\u00e9!", monkeypatch)
+    out = llm.generate([[1]], SamplingParams(max_tokens=12, temperature=0, stop=stops, min_tokens=4))[0]
+    assert out.text == "xAbcd\u00e9!" and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_a_stop_string_after_min_tokens_still_stops_the_row(llm, monkeypatch):
+    script(llm, "xAbcdQef", monkeypatch)  # "A" is held back, "Q" comes after min_tokens
+    out = llm.generate([[1]], SamplingParams(max_tokens=12, temperature=0, stop=["A", "Q"], min_tokens=3))[0]
+    assert out.text == "xAbcd" and out.finish_reason == "stop" and out.stop_reason == "Q"
+
+
 def test_logprobs_of_chosen_and_top_tokens(llm):
     out = llm.generate(["logprobs please"], SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0]
     assert len(out.logprobs) == len(out.token_ids)

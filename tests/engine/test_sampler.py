@@ -188,3 +188,19 @@ def test_gumbel_noise_is_finite_at_every_draw_so_a_masked_token_never_wins():
     assert torch.isfinite(noise).all()
     masked = torch.tensor([[float("-inf"), 0.0, 1.0, 0.5]])  # token 0 forbidden, with the top draw
     assert argmax(masked + noise).item() != 0
+
+
+def test_a_row_at_top_p_1_keeps_its_whole_tail_beside_a_top_p_row():
+    """In float32 the cumulative mass of 32k tokens reaches 1 before the last of them: a row at
+    top_p 1 must still keep every token when another row of its batch turns top-p filtering on,
+    so that its seeded draw does not depend on its neighbours."""
+    from engine.sampler import SamplingFlags, _filter
+
+    vocab = 32000
+    logits = torch.full((2, vocab), math.log(0.005 / (vocab - 1)))
+    logits[:, 0] = math.log(0.995)
+    floats = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0], [1.0, 0.5, 0.0, 1.0, 0.0, 0.0]])
+    st = SamplingTensors(floats=floats, ints=torch.zeros((2, 3), dtype=torch.int64))
+    kept = _filter(logits.clone(), st, SamplingFlags(all_greedy=False, top_p=True)) > torch.finfo(torch.float32).min
+    assert kept[0].all()  # top_p 1: nothing dropped
+    assert kept[1].sum() == 1  # top_p 0.5: only the most likely token

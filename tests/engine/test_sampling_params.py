@@ -8,6 +8,9 @@ from engine import EngineConfig, SamplingParams
     ("max_tokens", 0), ("max_tokens", -3), ("min_tokens", -1), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("logprobs", -1), ("seed", -1),
     ("stop", [""]), ("stop_token_ids", [-4]), ("max_tokens", 2.5), ("temperature", "hot"),
+    # beyond what the sampler can hold: each crashed the whole generate() call, every request lost
+    ("logprobs", 1000), ("seed", 2 ** 63), ("stop_token_ids", [2 ** 63]),
+    ("temperature", float("inf")), ("top_p", float("nan")), ("presence_penalty", float("-inf")),
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -17,6 +20,14 @@ def test_invalid_values_raise_naming_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-40 underflows float32 (the logits become inf and NaN): below 1e-5 it samples as
+    greedy, as vLLM does; the largest values the sampler holds are accepted."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.0
+    assert SamplingParams(temperature=1e-4).temperature == 1e-4
+    assert SamplingParams(seed=2 ** 63 - 1, logprobs=20).seed == 2 ** 63 - 1
 
 
 def test_single_stop_string_becomes_a_list():

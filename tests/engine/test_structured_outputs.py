@@ -112,6 +112,23 @@ def test_n_out_of_range_is_refused():
         SamplingParams(n=1000)
 
 
+def test_choices_with_newlines_quotes_and_control_characters_are_produced_exactly(engines):
+    """A choice is a literal, whatever it holds: a raw newline or carriage return ended the
+    grammar's string literal (the request failed to compile)."""
+    choices = ["line1\nline2", "x\ry", 'q"uo\\te', "tab\there", "ctl\x01z\x7f", "\u00e9t\u00e9"]
+    outs = engines("continuous").generate(["Pick:"] * len(choices), [
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs={"choice": [c]}) for c in choices])
+    assert [(o.text, o.finish_reason) for o in outs] == [(c, "stop") for c in choices]
+
+
+def test_min_tokens_does_not_overrule_a_grammar_that_allows_only_its_end(engines):
+    """min_tokens holds back EOS, the completed grammar allows nothing else: the grammar wins
+    and the row ends there, rather than emitting token 0 (the argmax of a row of -inf)."""
+    out = engines("continuous").generate(["Hi"], SamplingParams(max_tokens=10, temperature=0, min_tokens=6,
+                                                                structured_outputs={"choice": ["yes"]}))[0]
+    assert out.text == "yes" and out.finish_reason == "stop" and 0 not in out.token_ids
+
+
 def test_a_row_whose_grammar_completes_on_its_last_allowed_token_stops(engines):
     llm = engines("continuous")
     outs = llm.generate(["p", "q"], [SamplingParams(max_tokens=1, temperature=0, structured_outputs={"regex": "[ab]"}),

@@ -2,7 +2,10 @@
 
 The pool gets what `gpu_memory_utilization` of the card leaves after the weights and the peak
 activations of one profiling pass at `max_num_batched_tokens` (the largest pass the scheduler
-will ever run), measured with a pool just large enough for that pass.
+will ever run), measured with a pool just large enough for that pass, and after this engine's
+memory outside torch's allocator (library workspaces) grown since it started. The fraction is
+this engine's share of the card, as in vLLM: memory other processes held when it started does
+not count against it (two engines at 0.45 share one card), but it must have been free.
 """
 from __future__ import annotations
 
@@ -50,6 +53,13 @@ def keep_cpu_buffers() -> bool:
     return applied
 
 
+def used_before_load(device: torch.device) -> int:
+    """Bytes of the card in use before an engine loads its weights: other processes', and this
+    process's CUDA context. The engine's share (gpu_memory_utilization) is counted apart from them."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 @torch.inference_mode()
 def profile_pool_blocks(llm) -> int:
     """Blocks of the pool on this CUDA device for `llm` (an LLMEngine being built)."""
@@ -79,8 +89,17 @@ def profile_pool_blocks(llm) -> int:
     del probe
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    outside = total - free - torch.cuda.memory_reserved(device)  # other processes, CUDA context
-    budget = int(total * llm.config.gpu_memory_utilization) - peak - max(outside, 0)
+    util = llm.config.gpu_memory_utilization
+    before = runner.memory_before_load
+    if before is None:  # not measured at load: everything outside torch's allocator counts
+        before = 0
+    if total - before < int(total * util):
+        raise RuntimeError(f"gpu_memory_utilization={util} asks for {total * util / 2**30:.1f} GiB of the "
+                           f"{total / 2**30:.1f} GiB card, but only {(total - before) / 2**30:.1f} GiB were free when "
+                           f"the engine started (other processes held the rest): lower it, or free the card")
+    # what this engine holds outside torch's allocator since it started (cuBLAS, NCCL workspaces)
+    own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - before)
+    budget = int(total * util) - peak - own_outside
     num = budget // per_block if per_block else 0
     if num * bs < llm.max_model_len:
         raise RuntimeError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "

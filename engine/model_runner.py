@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError, one_line
 from engine.kv_cache import PagedKVCache
 from engine.loader import check_architecture, load_model, load_tokenizer, read_config, resolve_model_dir
+from engine.memory import used_before_load
 from engine.ranks import RankGroup, join_as_rank, rank_device
 from engine.quantization import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.rope import rowwise_longrope
@@ -80,6 +81,8 @@ class ModelRunner:
         self.ranks: RankGroup | None = None
         """Rank 0's handle on the other ranks (tensor_parallel_size > 1), else None."""
         self.device = rank_device(resolve_device(config.device), rank)
+        self.memory_before_load = used_before_load(self.device) if self.device.type == "cuda" else None
+        """Bytes of the card in use before the weights loaded (engine.memory sizes the pool apart from them)."""
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)

@@ -11,8 +11,12 @@ expert choice changes more than a rounding).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 METHODS = ("int8", "fp8")
 FP8_MAX = 448.0
@@ -64,7 +68,8 @@ class Fp8Linear(nn.Module):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
         self.register_buffer("qweight", (w / scale[:, None]).to(torch.float8_e4m3fn))
         self.register_buffer("scale", scale[None, :].contiguous())  # (1, N) float32
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        # the product comes out in bfloat16 (see forward), and a bias is added in the product's dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.out_features = w.shape[0]
         self.dtype = dtype
 
@@ -73,9 +78,11 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.qweight.T, scale_a=x_scale, scale_b=self.scale, out_dtype=self.dtype,
+        # Row-wise scales give a bfloat16 product only (torch's CUDA kernels below compute capability
+        # 9.0 or cuBLAS 12.9, and CUTLASS's); a float16 or float32 model casts it.
+        y = torch._scaled_mm(xq, self.qweight.T, scale_a=x_scale, scale_b=self.scale, out_dtype=torch.bfloat16,
                              bias=self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.to(self.dtype).reshape(*shape[:-1], self.out_features)
 
 
 def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
@@ -153,6 +160,13 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
                 continue
             setattr(parent, name, make(weight, bias, dtype).to(weight.device))
             count += 1
+    # MoE experts kept as 3-D tensors (transformers 5's Mixtral, Qwen3-MoE) are no linear layers
+    experts = sum(p.numel() for p in model.parameters() if p.ndim >= 3 and p.is_floating_point())
+    if experts:
+        total = sum(p.numel() for p in model.parameters())
+        log.warning("quantization %s: %d linear layers quantized; the MoE experts' weights (%.0f%% of the model's) "
+                    "stay in %s, so the weights shrink less than a dense model's", method, count,
+                    100 * experts / total, str(dtype).removeprefix("torch."))
     return count
 
 

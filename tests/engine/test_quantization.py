@@ -94,6 +94,29 @@ def test_int8_linear_equals_its_dequantized_weights():
     assert torch.allclose(cq(x), conv(x), atol=0.05 * float(conv(x).abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_linear_asks_for_a_bfloat16_product_in_every_dtype(dtype, monkeypatch):
+    """Row-wise scaled fp8 matmuls give a bfloat16 product only on most CUDA cards (a float16 or
+    float32 out_dtype fails there at the first pass): the layer asks for bfloat16 and casts.
+    Checked on CPU, where torch runs the same call; the result stays within fp8's error."""
+    from engine.quantization import Fp8Linear
+
+    asked, scaled_mm = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["out_dtype"])
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    x = torch.randn(5, 64)
+    y = Fp8Linear(lin.weight, lin.bias, dtype)(x.to(dtype))
+    assert asked == [torch.bfloat16] and y.dtype == dtype and y.shape == (5, 48)
+    want = lin(x)
+    assert (y.float() - want).abs().max() < 0.1 * want.abs().max()
+
+
 def test_int8_linears_hold_a_quarter_of_the_bytes(tiny_model_dir):
     path = str(tiny_model_dir("llama"))
     full = LLMEngine(EngineConfig(model=path))
@@ -204,3 +227,12 @@ def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one
     with pytest.raises(ModelLoadError) as err:
         LLMEngine(EngineConfig(model=str(out)))
     assert "awq" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_experts_left_unquantized_are_said_at_load(tiny_model_dir, caplog):
+    """Mixtral's experts are 3-D tensors, not linear layers: int8 leaves them as they are, and
+    says so (most of a real MoE model's bytes are there)."""
+    with caplog.at_level("WARNING", logger="engine.quantization"):
+        llm = LLMEngine(EngineConfig(model=str(tiny_model_dir("mixtral")), quantization="int8"))
+    assert any("MoE experts" in r.message and "stay in float32" in r.message for r in caplog.records)
+    assert llm.memory["weights_bytes"] < llm.memory["unquantized_weights_bytes"]

@@ -164,7 +164,7 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
         if overwrite:
             out.clear()
         record = out.read_json("_job.json")
-        if record is not None and record.get("fingerprint") != job.fingerprint:
+        if record is not None and record.get("fingerprint") not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
             raise OutputConflict(_conflict(job, record))
         numerics = job.spec.numerics()
         if record is not None and record.get("numerics", numerics) != numerics:  # older outputs did not record them

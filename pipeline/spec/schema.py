@@ -220,6 +220,15 @@ class JobSpec(_Section):
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written). A JSON
         Schema counts by its content: one still named by its file raises SpecError."""
+        return self._fingerprint(settled=True)
+
+    def accepted_fingerprints(self) -> set[str]:
+        """Fingerprints an output of this spec may carry: this version's, and those earlier
+        versions gave it while they still counted SETTLED_FIELDS (as set, or with the
+        max_prefill_tokens a user has since renamed max_num_batched_tokens, as its warning says)."""
+        return {self.fingerprint(), self._fingerprint(settled=False), self._fingerprint(settled=False, alias=True)}
+
+    def _fingerprint(self, settled: bool, alias: bool = False) -> str:
         unread = schema_file_refs(self.model_dump())
         if unread:
             raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
@@ -232,9 +241,14 @@ class JobSpec(_Section):
         # quantizes its own shard (its own scales): the rank count then changes rows. No output of
         # both was ever written before it counted (that combination did not load).
         quantized_tp = data["engine"].get("quantization") is not None and data["engine"]["tensor_parallel_size"] > 1
+        if alias and data["engine"].get("max_prefill_tokens") is None:
+            data["engine"]["max_prefill_tokens"] = data["engine"].get("max_num_batched_tokens")
         for knob in EXECUTION_FIELDS:
             if not (knob == "tensor_parallel_size" and quantized_tp):
                 data["engine"].pop(knob, None)
+        if settled:  # counted by earlier versions, though they never change a row: as if at their defaults
+            for knob, value in SETTLED_FIELDS.items():
+                data["engine"][knob] = value
         if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
             data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
         # Fields added after 0.1 count only when set, so that outputs of older runs still resume
@@ -262,6 +276,11 @@ EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tok
                     "distributed_timeout_s")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
 (tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
+SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
+"""Engine fields earlier versions counted although they never change a row (the deprecated alias
+of max_num_batched_tokens, an ignored setting, where and how weights are read): they count as at
+these defaults, and an output whose fingerprint counted them as set still resumes
+(`accepted_fingerprints`)."""
 
 
 def check_gpus(spec: JobSpec) -> None:

@@ -121,7 +121,24 @@ def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
             "workers": {"rows_per_batch": 256}}
     assert validate(spec).fingerprint() == "aaf815c29dd0473d"
     assert validate({**spec, "workers": {}}).fingerprint() != "aaf815c29dd0473d"
-    assert validate({**spec, "engine": {"max_prefill_tokens": 512}}).fingerprint() != "aaf815c29dd0473d"
+
+
+def test_fields_that_never_change_a_row_count_no_more_and_outputs_that_counted_them_resume():
+    """max_prefill_tokens (the deprecated alias of max_num_batched_tokens), prefix_cache_tokens
+    (ignored), cache_dir and allow_pickle never change a row: they count as at their defaults.
+    An output whose fingerprint counted them resumes: the values are those the previous version
+    computed (2026-12-01), and renaming max_prefill_tokens as its warning says keeps the output."""
+    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
+            "workers": {"rows_per_batch": 256}}
+    earlier = {"d4a74a0721547478": {"max_prefill_tokens": 512}, "6595b856724a8335": {"cache_dir": "/tmp/hf",
+               "allow_pickle": True}, "5b9c99d902374a4e": {"prefix_cache_tokens": 4096}}
+    with pytest.warns(DeprecationWarning):
+        for value, engine in earlier.items():
+            job = validate({**spec, "engine": engine})
+            assert job.fingerprint() == "aaf815c29dd0473d" and value in job.accepted_fingerprints()
+    renamed = validate({**spec, "engine": {"max_num_batched_tokens": 512}})
+    assert "d4a74a0721547478" in renamed.accepted_fingerprints()
+    assert "d4a74a0721547478" not in validate({**spec, "engine": {"max_num_batched_tokens": 256}}).accepted_fingerprints()
 
 
 BLOCKED = """

@@ -12,6 +12,7 @@ import torch
 from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
 from engine import tensor_parallel
 from engine.config import EngineConfig
+from engine.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.errors import ModelLoadError, one_line
 from engine.kv_cache import PagedKVCache
 from engine.loader import check_architecture, load_model, load_tokenizer, read_config, resolve_model_dir
@@ -22,33 +23,6 @@ from engine.rope import rowwise_longrope
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA device")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 halves memory and doubles speed on GPUs; CPUs are exact and fastest in fp32.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def resolve_kv_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """The KV pool's dtype: None = the model's; fp8 needs CUDA with compute capability >= 8.9."""
-    if name == "auto":
-        return None
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        where = device.type if device.type != "cuda" else f"{torch.cuda.get_device_name(device)} " \
-            f"(compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-        raise ValueError(f"kv_cache_dtype fp8 needs a CUDA device of compute capability >= 8.9, not {where}")
-    return torch.float8_e4m3fn
 
 
 def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:

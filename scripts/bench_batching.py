@@ -127,7 +127,7 @@ def measure(mode: str, key: str, args) -> dict:
     elif mode.startswith("hf"):
         from transformers import AutoModelForCausalLM
 
-        from engine.model_runner import resolve_device, resolve_dtype
+        from engine.devices import resolve_device, resolve_dtype
 
         device = resolve_device(args.device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device),

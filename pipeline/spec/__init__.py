@@ -5,9 +5,10 @@ from pipeline.errors import SpecError
 from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,
                                    SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
                                    score_column)
+from pipeline.spec.fingerprint import ADDED_FIELDS
 from pipeline.spec.job import Job
 from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, schema_file_refs
-from pipeline.spec.schema import (ADDED_FIELDS, EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
+from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
                                   field_reference, validate)
 
 __all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",

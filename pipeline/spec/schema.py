@@ -9,18 +9,17 @@ engine.sampling_params are plain dataclasses).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine.config import CPU_POOL_TOKENS, DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.sampling_params import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
-from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema, schema_file_refs
+from pipeline.spec.fingerprint import fingerprint
+from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema
 
 
 class _Section(BaseModel):
@@ -220,67 +219,15 @@ class JobSpec(_Section):
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written). A JSON
         Schema counts by its content: one still named by its file raises SpecError."""
-        return self._fingerprint(settled=True)
+        return fingerprint(self, settled=True)
 
     def accepted_fingerprints(self) -> set[str]:
         """Fingerprints an output of this spec may carry: this version's, and those earlier
         versions gave it while they still counted SETTLED_FIELDS (as set, or with the
         max_prefill_tokens a user has since renamed max_num_batched_tokens, as its warning says)."""
-        return {self.fingerprint(), self._fingerprint(settled=False), self._fingerprint(settled=False, alias=True)}
-
-    def _fingerprint(self, settled: bool, alias: bool = False) -> str:
-        unread = schema_file_refs(self.model_dump())
-        if unread:
-            raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
-                            "job's fingerprint is taken (pipeline.io.read_schema_files)")
-        data = self.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
-                                                     "input": {"storage_options"},
-                                                     "workers": {"num", "gpus", "cpus", "resource_wait_s"},
-                                                     "report": True, "max_error_rate": True})
-        # Pure execution knobs never change output rows: they never count. Quantized, each rank
-        # quantizes its own shard (its own scales): the rank count then changes rows. No output of
-        # both was ever written before it counted (that combination did not load).
-        quantized_tp = data["engine"].get("quantization") is not None and data["engine"]["tensor_parallel_size"] > 1
-        if alias and data["engine"].get("max_prefill_tokens") is None:
-            data["engine"]["max_prefill_tokens"] = data["engine"].get("max_num_batched_tokens")
-        for knob in EXECUTION_FIELDS:
-            if not (knob == "tensor_parallel_size" and quantized_tp):
-                data["engine"].pop(knob, None)
-        if settled:  # counted by earlier versions, though they never change a row: as if at their defaults
-            for knob, value in SETTLED_FIELDS.items():
-                data["engine"][knob] = value
-        if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
-            data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
-        # Fields added after 0.1 count only when set, so that outputs of older runs still resume
-        # (inner fields first: a section whose added fields are all unset compares as before).
-        defaults = JobSpec(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
-        for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
-            values["eval"].pop("k")
-        for path in sorted(ADDED_FIELDS, key=len, reverse=True):
-            *parents, leaf = path
-            node, default = data, defaults
-            for key in parents:
-                node, default = node[key], default[key]
-            if leaf in node and node[leaf] == default[leaf]:
-                del node[leaf], default[leaf]
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return {self.fingerprint(), fingerprint(self, settled=False), fingerprint(self, settled=False, alias=True)}
 
 
-ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input", "messages_column"),
-                ("input", "system_prompt"), ("input", "few_shot"), ("engine", "revision"),
-                ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
-                ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
-                ("sampling", "n"), ("sampling", "structured_outputs"), ("label", "json_schema"))
-"""Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
-EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
-                    "distributed_timeout_s")
-"""Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
-(tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
-SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
-"""Engine fields earlier versions counted although they never change a row (the deprecated alias
-of max_num_batched_tokens, an ignored setting, where and how weights are read): they count as at
-these defaults, and an output whose fingerprint counted them as set still resumes
-(`accepted_fingerprints`)."""
 
 
 def check_gpus(spec: JobSpec) -> None:

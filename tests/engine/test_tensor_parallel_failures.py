@@ -62,8 +62,9 @@ def test_a_rank_killed_mid_generation_fails_the_engine_naming_it(tiny_model_dir)
     assert time.monotonic() - began < TIMEOUT_S + 2
     assert str(err.value) == f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9; all ranks are stopped"
     assert gone(pid)
+    assert not llm.has_unfinished()  # the failed call's requests were ended with it
     with pytest.raises(RankError, match="rank 1"):  # the engine stays failed
-        llm.step()
+        llm.generate(["again"], SamplingParams(max_tokens=2))
 
 
 def test_a_hung_rank_fails_the_engine_within_the_timeout(tiny_model_dir):

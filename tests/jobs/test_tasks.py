@@ -249,28 +249,6 @@ def test_openai_batch_file_in_and_out(tmp_path):
     assert without_created(again) == without_created(lines)
 
 
-def test_openai_batch_with_n_samples_counts_each_prompt_once_in_the_hit_rate(tmp_path):
-    """A request's n samples share its prompt's blocks, but its line's usage counts the prompt
-    once, so the cache hits counted for it are its prompt's (not n - 1 more copies of it): the
-    first line's prompt is computed once (no hit), the second line, sharing its first 64
-    bytes, finds those 4 blocks cached."""
-    shared = "Answer in one word. " * 3 + "Q1"  # 62 bytes: 4 full blocks (with BOS) after the first 64
-    bodies = [{"prompt": shared + ": sky colour?", "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 1},
-              {"prompt": shared + ": grass colour?", "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 2}]
-    write_jsonl(tmp_path / "requests.jsonl", [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                               "body": b} for i, b in enumerate(bodies)])
-    out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "requests.jsonl", "--output", out, "--set", "input.format=openai_batch",
-                     "--set", "output.format=openai_batch", "--set", "engine.scheduling=continuous")
-    assert code == 0, text
-    manifest = json.loads((out / "manifest.json").read_text())
-    lines = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
-    prompt_tokens = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in lines)
-    assert manifest["prompt_tokens"] == prompt_tokens
-    assert manifest["cached_prompt_tokens"] == 4 * 16
-    assert manifest["prefix_cache_hit_rate"] == pytest.approx(64 / prompt_tokens)
-
-
 def without_created(lines: list[dict]) -> list[dict]:
     for line in lines:
         if line["response"]:

@@ -1,5 +1,6 @@
 """sampling.n in a job's rows, on the tiny model and without Ray: one output row per sample, and
 with n = 1 the rows of a spec that never heard of n."""
+import pyarrow as pa
 import pytest
 
 from engine import EngineConfig, LLMEngine
@@ -102,3 +103,28 @@ def test_cache_hits_are_counted_as_the_rows_prompt_tokens_are():
     failed = RowResult(samples=[sample(16), sample(32, "error", 1)])
     assert failed.cached_prompt_tokens(per_sample=False) == 0 and failed.cached_prompt_tokens(per_sample=True) == 48
     assert sample(24).cached_prompt_tokens(per_sample=False) == 24
+
+
+def test_openai_lines_with_n_samples_count_each_prompt_once_in_the_hit_rate(engine):
+    """A request's n samples share its prompt's blocks, but its line's usage counts the prompt
+    once, so the cache hits counted for it are its prompt's (not n - 1 more copies): the first
+    line's prompt is computed once (no hit), the second, sharing its first 64 bytes, finds
+    those 4 blocks cached. What the worker records for the shard, without Ray."""
+    import json
+
+    from pipeline.io import CommitRecord
+
+    shared = "Answer in one word. " * 3 + "Q1"  # 62 bytes: with BOS, 4 full blocks of 16
+    bodies = [{"prompt": shared + ": sky colour?", "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 1},
+              {"prompt": shared + ": grass colour?", "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 2}]
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b} for i, b in enumerate(bodies)]
+    job = spec(input={"path": "-", "format": "openai_batch"}, output={"path": "-", "format": "openai_batch"})
+    engine.pool.reset_cache()  # nothing cached from other tests
+    runner = TaskRunner(job, engine)
+    results = runner.run(rows, ["r0", "r1"], [None, None])
+    lines = [json.loads(x) for x in runner.openai_lines(rows, ["r0", "r1"], results, 0)]
+    prompt = CommitRecord.counted(pa.table({"line": [json.dumps(x) for x in lines]})).prompt_tokens
+    cached = sum(r.cached_prompt_tokens(per_sample=False) for r in results)
+    assert prompt == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in lines)
+    assert cached == 4 * 16 and [len(x["response"]["body"]["choices"]) for x in lines] == [4, 4]
+    assert sum(r.cached_prompt_tokens(per_sample=True) for r in results) > prompt  # siblings' hits, per sample row

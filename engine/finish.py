@@ -14,7 +14,8 @@ def stop_string_hits(tokenizer: Tokenizer, rows: list[tuple[int, Sequence]]) -> 
         return set()
     near = [(key, s) for key, s in rows
             if s.params.min_tokens and s.num_output_tokens <= s.params.min_tokens + s.stop_checker.window]
-    far = [(key, s) for key, s in rows if not near or (key, s) not in near]
+    near_keys = {key for key, _ in near}
+    far = [(key, s) for key, s in rows if key not in near_keys]
     texts = tokenizer.decode_windows([s.output_token_ids[-s.stop_checker.window:] for _, s in far])
     hits = {key for (key, s), text in zip(far, texts) if s.stop_checker.found(text)}
     if near:

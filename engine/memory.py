@@ -53,11 +53,14 @@ def keep_cpu_buffers() -> bool:
     return applied
 
 
-def used_before_load(device: torch.device) -> int:
-    """Bytes of the card in use before an engine loads its weights: other processes', and this
-    process's CUDA context. The engine's share (gpu_memory_utilization) is counted apart from them."""
+def used_before_load(device: torch.device) -> tuple[int, int]:
+    """(bytes of the card in use outside this process's torch allocator: other processes' and this
+    process's CUDA context; bytes its live tensors hold, an engine still running beside this one)
+    before an engine loads its weights. What the allocator caches but no tensor holds, left by an
+    engine since dropped, is free for this one. Its share (gpu_memory_utilization) is counted
+    apart from both."""
     free, total = torch.cuda.mem_get_info(device)
-    return total - free
+    return total - free - torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
 
 
 @torch.inference_mode()
@@ -90,16 +93,16 @@ def profile_pool_blocks(llm) -> int:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     util = llm.config.gpu_memory_utilization
-    before = runner.memory_before_load
-    if before is None:  # not measured at load: everything outside torch's allocator counts
-        before = 0
-    if total - before < int(total * util):
+    outside, live = runner.memory_before_load or (0, 0)  # not measured at load: all of it counts
+    if total - outside - live < int(total * util):
         raise RuntimeError(f"gpu_memory_utilization={util} asks for {total * util / 2**30:.1f} GiB of the "
-                           f"{total / 2**30:.1f} GiB card, but only {(total - before) / 2**30:.1f} GiB were free when "
-                           f"the engine started (other processes held the rest): lower it, or free the card")
-    # what this engine holds outside torch's allocator since it started (cuBLAS, NCCL workspaces)
-    own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - before)
-    budget = int(total * util) - peak - own_outside
+                           f"{total / 2**30:.1f} GiB card, but only {(total - outside - live) / 2**30:.1f} GiB were "
+                           f"free when the engine started (other processes or engines held the rest): lower it, or "
+                           f"free the card")
+    # what this engine holds outside torch's allocator since it started (cuBLAS, NCCL workspaces),
+    # and at its peak beyond what this process's tensors held before it loaded
+    own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - outside)
+    budget = int(total * util) - (peak - live) - own_outside
     num = budget // per_block if per_block else 0
     if num * bs < llm.max_model_len:
         raise RuntimeError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "

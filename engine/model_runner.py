@@ -56,7 +56,8 @@ class ModelRunner:
         """Rank 0's handle on the other ranks (tensor_parallel_size > 1), else None."""
         self.device = rank_device(resolve_device(config.device), rank)
         self.memory_before_load = used_before_load(self.device) if self.device.type == "cuda" else None
-        """Bytes of the card in use before the weights loaded (engine.memory sizes the pool apart from them)."""
+        """(Bytes of the card in use outside torch's allocator, bytes of live tensors) before the
+        weights loaded: engine.memory sizes the pool apart from them."""
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)

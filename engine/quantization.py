@@ -145,6 +145,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
 
     make = Int8Linear if method == "int8" else Fp8Linear
     head = model.get_output_embeddings()
+    total = sum(p.numel() for p in model.parameters())  # before: quantized weights become buffers
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -163,7 +164,6 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     # MoE experts kept as 3-D tensors (transformers 5's Mixtral, Qwen3-MoE) are no linear layers
     experts = sum(p.numel() for p in model.parameters() if p.ndim >= 3 and p.is_floating_point())
     if experts:
-        total = sum(p.numel() for p in model.parameters())
         log.warning("quantization %s: %d linear layers quantized; the MoE experts' weights (%.0f%% of the model's) "
                     "stay in %s, so the weights shrink less than a dense model's", method, count,
                     100 * experts / total, str(dtype).removeprefix("torch."))

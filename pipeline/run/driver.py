@@ -167,7 +167,8 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
         if record is not None and record.get("fingerprint") not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
             raise OutputConflict(_conflict(job, record))
         numerics = job.spec.numerics()
-        if record is not None and record.get("numerics", numerics) != numerics:  # older outputs did not record them
+        # (older outputs did not record them; a complete one is not resumed, whatever would compute)
+        if record is not None and record.get("numerics", numerics) != numerics and not out.is_complete():
             raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
         if record is None:
             spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it

@@ -169,6 +169,7 @@ class ShardWorker(EngineActor):
         stop_engine(self.engine)
         self.engine = self.tasks = None
         gc.collect()
+        empty_device_cache()  # the next engine sizes its pool from what the card has free
         self._build_engine()
 
     def _build_engine(self) -> None:

@@ -262,15 +262,18 @@ def test_the_engine_reports_its_pool_and_weights():
 def test_the_pool_sized_from_the_card_counts_this_engines_share_only(monkeypatch):
     """gpu_memory_utilization is this engine's share of the card, as in vLLM: two engines at 0.45
     fit one card. Memory another process held when this one started is not subtracted from its
-    share (it was: the second engine's budget came out negative), but it must have been free.
-    CUDA's memory calls are stood in for: an 80 GiB card, 40 GiB held elsewhere, a 1 GiB CUDA
-    context, 12 GiB of weights and activations at the profiling pass, 0.5 GiB of workspaces."""
+    share (it was: the second engine's budget came out negative), but it must have been free;
+    memory torch still caches from an engine this process dropped is free for the next one, and
+    an engine still running beside it is not counted in its peak. CUDA's memory calls are stood
+    in for: an 80 GiB card, 40 GiB held elsewhere, a 1 GiB CUDA context, 12 GiB of weights and
+    activations at the profiling pass, 0.5 GiB of workspaces."""
     import types
 
     from engine import memory
 
     gib = 1 << 30
     total, elsewhere, context, peak, workspaces = 80 * gib, 40 * gib, 1 * gib, 12 * gib, gib // 2
+    card = {"reserved": 0, "allocated": 0, "used": elsewhere + context}  # what the stand-ins report
 
     class Probe:
         physical_blocks = 64
@@ -278,19 +281,31 @@ def test_the_pool_sized_from_the_card_counts_this_engines_share_only(monkeypatch
         def nbytes(self):
             return 64 * (1 << 20)  # 1 MiB a block
 
-    runner = types.SimpleNamespace(device=torch.device("cuda", 0), memory_before_load=elsewhere + context,
-                                   new_cache=lambda n, bs: Probe(), run=lambda cache, chunks: None,
-                                   drop_cache=lambda cache: None)
-    llm = types.SimpleNamespace(runner=runner, block_size=16, max_num_batched_tokens=1024, max_model_len=1024,
-                                config=types.SimpleNamespace(gpu_memory_utilization=0.45))
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: peak)
-    monkeypatch.setattr(torch.cuda, "mem_get_info",
-                        lambda device=None: (total - elsewhere - context - peak - workspaces, total))
-    blocks = memory.profile_pool_blocks(llm)
-    assert blocks == (int(total * 0.45) - peak - workspaces) // (1 << 20)  # 23.5 GiB of 1 MiB blocks
-    llm.config.gpu_memory_utilization = 0.6  # 48 GiB asked, 39 GiB were free
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: card["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: card["allocated"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - card["used"], total))
+
+    def size(util: float, cached: int = 0, live: int = 0) -> int:
+        """An engine loading beside `cached` bytes torch caches from a dropped engine and `live`
+        bytes of an engine still running, both in this process."""
+        card.update(reserved=cached + live, allocated=live, used=elsewhere + context + cached + live)
+        before = memory.used_before_load(torch.device("cuda", 0))
+        card.update(reserved=cached + live + peak, used=elsewhere + context + cached + live + peak + workspaces)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: live + peak)
+        runner = types.SimpleNamespace(device=torch.device("cuda", 0), memory_before_load=before,
+                                       new_cache=lambda n, bs: Probe(), run=lambda cache, chunks: None,
+                                       drop_cache=lambda cache: None)
+        llm = types.SimpleNamespace(runner=runner, block_size=16, max_num_batched_tokens=1024, max_model_len=1024,
+                                    config=types.SimpleNamespace(gpu_memory_utilization=util))
+        return memory.profile_pool_blocks(llm)
+
+    share = (int(total * 0.45) - peak - workspaces) // (1 << 20)  # 23.5 GiB of 1 MiB blocks
+    assert size(0.45) == share
+    assert size(0.45, cached=30 * gib) == share  # a rebuilt engine (a worker's restart) gets its share again
+    assert size(0.2, live=20 * gib) == (int(total * 0.2) - peak - workspaces) // (1 << 20)
     with pytest.raises(RuntimeError, match=r"gpu_memory_utilization=0.6 asks for 48.0 GiB .* only 39.0 GiB were free"):
-        memory.profile_pool_blocks(llm)
+        size(0.6)  # 48 GiB asked, 39 GiB were free
+    with pytest.raises(RuntimeError, match=r"only 19.0 GiB were free"):
+        size(0.45, live=20 * gib)  # the engine beside it holds 20 of the 39

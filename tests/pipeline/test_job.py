@@ -49,6 +49,9 @@ def test_an_output_resumes_only_in_the_numerics_it_was_generated_in(tmp_path):
     message = str(err.value)
     assert "float32 on cpu" in message and "bfloat16 on cuda" in message and "workers.gpus 0" in message
     assert "\n" not in message
+    out.mark_success()  # a complete output is not resumed: the rerun has nothing to do, whatever it would compute in
+    assert _claim_output(out, gpu, overwrite=False)
+    out.storage.fs.rm(out.storage.path("_SUCCESS"))
     record = out.read_json("_job.json")
     del record["numerics"]  # as written before outputs recorded them
     out.write_json("_job.json", record)

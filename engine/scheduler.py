@@ -202,7 +202,6 @@ class Scheduler:
             del queue[i]
             seq.block_ids = self.pool.table(cached, seq.num_tokens + 1)
             seq.num_computed_tokens = len(cached) * self.pool.block_size
-            seq.cached_tokens += seq.num_computed_tokens
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.pool.count_lookup(seq.num_tokens, seq.num_computed_tokens)
@@ -354,4 +353,3 @@ class Projection:
             return False
         self.rows = rows
         return True
-

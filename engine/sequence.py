@@ -56,9 +56,6 @@ class Sequence:
     """The row's block table: pool blocks holding its positions, in order (empty unless running)."""
     block_names: list[bytes] = field(default_factory=list)
     """Chain names of its full blocks computed so far (memo for prefix caching)."""
-    cached_tokens: int = 0
-    """Tokens whose keys and values came from cached blocks instead of a forward pass (every
-    admission's, a recompute after a preemption included)."""
     num_cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when the row was first admitted (vLLM's name);
     None until then. A recompute after a preemption does not change it."""

@@ -15,6 +15,12 @@ DEFAULT_MODEL = "builtin:tiny"
 """The model of a config or job spec that names none: embedded, built on first use, no download."""
 
 
+def auto_dtype(device_type: str) -> str:
+    """What dtype `auto` means on a device type: bf16 halves memory and doubles speed on GPUs;
+    CPUs are exact and fastest in fp32."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 @dataclass
 class EngineConfig:
     """How the engine loads its model and forms batches. Validated on construction."""

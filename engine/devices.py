@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import auto_dtype
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -16,10 +18,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 halves memory and doubles speed on GPUs; CPUs are exact and fastest in fp32.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return getattr(torch, auto_dtype(device.type) if name == "auto" else name)
 
 
 def resolve_kv_dtype(name: str, device: torch.device) -> torch.dtype | None:

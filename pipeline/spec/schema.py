@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig, auto_dtype
 from engine.sampling_params import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
@@ -209,8 +209,7 @@ class JobSpec(_Section):
         fingerprint: an output records them, and a resume must compute as it did."""
         device = self.engine.device
         kind = device.split(":")[0] if device != "auto" else ("cuda" if self.workers.gpus > 0 else "cpu")
-        dtype = self.engine.dtype if self.engine.dtype != "auto" else ("bfloat16" if kind == "cuda" else "float32")
-        return {"device": kind, "dtype": dtype}
+        return {"device": kind, "dtype": auto_dtype(kind) if self.engine.dtype == "auto" else self.engine.dtype}
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration for this job: its model and seed, and the engine section."""

@@ -34,11 +34,16 @@ def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
     from torch.utils import mkldnn
 
     head = model.get_output_embeddings()
-    if (device.type != "cpu" or dtype != torch.float32 or type(head) is not torch.nn.Linear
-            or not torch.backends.mkldnn.is_available()):
+    if not packs_head(head, device, dtype):
         return False
     model.set_output_embeddings(mkldnn.MkldnnLinear(head, dtype))
     return True
+
+
+def packs_head(head, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether pack_lm_head packs this head: a plain linear one, float32 on CPU, with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.float32 and type(head) is torch.nn.Linear
+            and torch.backends.mkldnn.is_available())
 
 
 class ModelRunner:
@@ -151,10 +156,8 @@ class ModelRunner:
             return
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         # (a tensor-parallel rank other than 0 has no head: rank 0 computes the logits)
-        packs = (self.device.type == "cpu" and self.dtype == torch.float32 and type(head) is torch.nn.Linear
-                 and torch.backends.mkldnn.is_available())
         extra = 0
-        if packs:  # packing adds a zero bias
+        if packs_head(head, self.device, self.dtype):  # packing adds a zero bias
             tied = embedding is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
             extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
         self.unquantized_nbytes = weights_nbytes(model) + extra

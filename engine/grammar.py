@@ -58,24 +58,14 @@ def json_schema_ebnf(xgr, schema) -> str:
     return text.replace(UNESCAPED_CHAR, STRICT_CHAR)
 
 
+_EBNF_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t",
+                               **{chr(c): f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if chr(c) not in "\n\r\t"}})
+
+
 def ebnf_literal(text: str) -> str:
     """`text` as an EBNF string literal: backslash, quote and control characters escaped (a raw
     newline or carriage return ends a literal in xgrammar's lexer)."""
-    out = []
-    for ch in text:
-        if ch in '\\"':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+    return '"' + text.translate(_EBNF_ESCAPES) + '"'
 
 
 class _Busy(ValueError):

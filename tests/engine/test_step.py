@@ -198,22 +198,34 @@ def test_logprob_rows_and_plain_rows_in_one_batch(llm_factory, mode):
     assert sum(s.prefill_steps for s in llm.batch_stats) >= 3  # 21 prompt tokens, 8 per pass
 
 
+def failing_passes(monkeypatch, prompts, params, fail):
+    """(the tokens an undisturbed engine gives, an engine whose passes first call `fail(chunks)`,
+    which raises to make the pass fail)."""
+    want = [o.token_ids for o in LLMEngine(EngineConfig(model="builtin:tiny")).generate(prompts, params)]
+    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
+    real = llm.runner.run
+
+    def run(cache, chunks, **kw):
+        fail(chunks)
+        return real(cache, chunks, **kw)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    return want, llm
+
+
 def test_out_of_memory_in_a_pass_requeues_its_prefills_and_the_engine_carries_on(monkeypatch):
     """A pass that runs out of memory: its prefill rows go back to the queue, passes get smaller,
     the pool is intact (every block free again at the end) and the tokens equal an undisturbed run."""
     prompts = [f"prompt {i} " + "z" * (10 * i) for i in range(6)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLMEngine(EngineConfig(model="builtin:tiny")).generate(prompts, params)]
-    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
-    real, failed = llm.runner.run, []
+    failed = []
 
-    def run(cache, chunks, **kw):
+    def fail(chunks):
         if not failed and sum(c.count for c in chunks) > 64:
             failed.append(len(chunks))
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(cache, chunks, **kw)
 
-    monkeypatch.setattr(llm.runner, "run", run)
+    want, llm = failing_passes(monkeypatch, prompts, params, fail)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert failed and got == want
     assert llm.scheduler.max_num_batched_tokens == 512
@@ -227,18 +239,15 @@ def test_a_pass_that_raises_leaves_the_engine_usable(monkeypatch, error):
     pool, and the next generate() runs and gives the tokens of a fresh engine."""
     prompts = [f"prompt {i} " + "q" * (6 * i) for i in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLMEngine(EngineConfig(model="builtin:tiny")).generate(prompts, params)]
-    llm = LLMEngine(EngineConfig(model="builtin:tiny"))
-    real, passes = llm.runner.run, []
+    passes = []
 
-    def run(cache, chunks, **kw):
+    def fail(chunks):
         passes.append(len(chunks))
         if len(passes) == 5:  # a decode pass: every row past its prompt
             assert all(c.count == 1 for c in chunks)
             raise error
-        return real(cache, chunks, **kw)
 
-    monkeypatch.setattr(llm.runner, "run", run)
+    want, llm = failing_passes(monkeypatch, prompts, params, fail)
     with pytest.raises(type(error)):
         llm.generate(prompts, params)
     assert not llm.has_unfinished() and llm.pool.num_free == llm.pool.num_blocks

@@ -1,22 +1,40 @@
 """batchinfer's generation engine: static or continuous batching under a KV-token budget, on torch + transformers.
 
-Configuration, sampling parameters and outputs import without torch; `LLMEngine` (which needs
-torch and transformers) is imported on first use, so that job specs can be read anywhere."""
+Its packages, each answering one question (imports run down this list's order, never up):
+
+    api/           what a caller configures, asks for and gets back (config, params, outputs, errors): no torch
+    core/          which rows the next pass computes and which KV blocks hold them: no torch
+    models/        models and tokenizers from the outside world (builtin, Hub, object storage, file checks)
+    quantization/  quantized weights: the method a model runs with, and its linear layers
+    distributed/   tensor-parallel ranks and each rank's shard of the weights
+    runner/        running the model: loading it, one forward pass over the paged KV pool, its kernels
+    sample/        logits to tokens, grammars, logprobs, and the rules that finish a row
+
+On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess), choice scoring
+(scoring.py) and `builtin:echo`'s stand-in engine (echo.py). Configuration, sampling parameters,
+outputs and errors import without torch; `LLMEngine` and `EchoEngine` (which need torch or the
+tokenizers) are imported on first use, so that job specs can be read anywhere."""
 __version__ = "0.1.0"
 
-from engine.config import EngineConfig
-from engine.outputs import BatchStats, Completion, Sample
-from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
-
+from engine.api import (AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, Completion, ConstraintError,
+                        DeviceError, EngineBusy, EngineConfig, EngineError, GrammarBusy, ModelLoadError,
+                        PoolExhausted, PoolSizingError, RankError, Sample, SamplingParams, StructuredOutputsParams,
+                        one_line)
 
 def __getattr__(name: str):
+    """LLMEngine and EchoEngine (with ECHO_MODEL) are imported on first use."""
     if name == "LLMEngine":
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name in ("EchoEngine", "ECHO_MODEL"):
+        from engine import echo
+
+        return getattr(echo, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "Completion", "Sample",
-           "BatchStats", "__version__"]
+           "BatchStats", "ChoiceScores", "EchoEngine", "ECHO_MODEL", "__version__",
+           "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
+           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

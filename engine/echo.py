@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.config import EngineConfig
-from engine.outputs import Completion
-from engine.sampling_params import SamplingParams
-from engine.scoring import ChoiceScores
-from engine.tokenizer import Tokenizer
+from engine.api.config import EngineConfig
+from engine.api.outputs import ChoiceScores, Completion
+from engine.api.sampling_params import SamplingParams
+from engine.models.tokenizer import Tokenizer
 
 ECHO_MODEL = "builtin:echo"
 ECHO_TEXT = "x"
@@ -26,7 +25,7 @@ class EchoEngine:
     """Instant answers: no forward pass, no batching, results in input order."""
 
     def __init__(self, config: EngineConfig | None = None):
-        from engine.builtin import byte_tokenizer
+        from engine.models.builtin import byte_tokenizer
 
         self.config = config or EngineConfig(model=ECHO_MODEL)
         hf = byte_tokenizer()

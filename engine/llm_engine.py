@@ -5,28 +5,45 @@ import hashlib
 import logging
 import random
 import time
-
-import torch
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from engine.batch import Batch
-from engine.block_pool import BlockPool, hash_salt
-from engine.config import CPU_POOL_TOKENS, EngineConfig
-from engine.finish import finish_rows
-from engine.grammar import GrammarBackend
-from engine.memory import keep_cpu_buffers, profile_pool_blocks
-from engine.model_runner import ModelRunner
-from engine.outputs import BatchStats, Completion
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, batched_tokens
-from engine.scoring import ChoiceScores, score_choices
-from engine.sequence import Sequence, Status
-from engine.tokenizer import Tokenizer
+import torch
+
+from engine.api.config import CPU_POOL_TOKENS, EngineConfig
+from engine.api.errors import EngineBusy
+from engine.api.outputs import BatchStats, ChoiceScores, Completion
+from engine.api.sampling_params import SamplingParams
+from engine.core.block_pool import BlockPool, hash_salt
+from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
+from engine.core.sequence import Sequence, Status
+from engine.core.stats import StatsCollector
+from engine.models.tokenizer import Tokenizer
+from engine.runner.memory import keep_cpu_buffers, profile_pool_blocks
+from engine.runner.model_runner import ModelRunner
+from engine.sample.batch import Batch
+from engine.sample.finish import finish_rows
+from engine.sample.grammar import GrammarBackend
+from engine.sample.sampler import Sampler
+from engine.scoring import score_choices
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+
+@dataclass
+class Sampled:
+    """What a pass sampled, handed from run to postprocess."""
+
+    seqs: list[Sequence]
+    """The rows that sampled a token (prefill chunks mid-prompt sample none)."""
+    rows: slice | torch.Tensor
+    """Their table slots (a slice, or an index tensor)."""
+    tokens: torch.Tensor
+    """(k,) int64 on the device: each row's new token."""
+    logprobs: torch.Tensor | None
+    """(k, V) float32 on the device when some row wants logprobs."""
 
 
 def kv_bytes_per_token(runner) -> int:
@@ -74,6 +91,8 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.continuous, self.salt,
                                    long_rope_after=longrope.original if longrope is not None else None)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
+        self.stats = StatsCollector()
+        """Figures of the batch running now; closed ones go to batch_stats."""
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids)
         """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
@@ -193,7 +212,7 @@ class LLMEngine:
         when a pass raises (out of memory in a pass of decoding rows, a tensor-parallel rank lost,
         Ctrl-C) before the exception goes on. Returns the requests it ended."""
         self.batch.remove(list(self.batch.seqs))
-        self.batch.stats = None
+        self.stats.drop()
         seqs = self.scheduler.abort()
         for seq in seqs:
             if seq.status is not Status.FINISHED:
@@ -206,43 +225,58 @@ class LLMEngine:
         """One forward pass: schedule -> run -> postprocess. The pass carries every running
         row's next token and prefill chunks of rows still reading their prompts. Returns the
         sequences that finished in it."""
+        plan = self._schedule()
+        if plan.is_empty:
+            return []
+        sampled = self._run(plan)
+        finished = self._postprocess(sampled) if sampled is not None else []
+        self._close_batch()
+        return finished
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next pass's plan; the running table follows it (preempted rows leave, admitted join)."""
         plan = self.scheduler.schedule()
         self.batch.remove(plan.preempted)
         if plan.admitted:
+            self.stats.join(plan.admitted, self.batch.num_rows)
             self.batch.join(plan.admitted)
-        if plan.is_empty:
-            return []
-        finished = self._run(plan)
-        if self.batch.empty and not self.scheduler.has_work():
-            self.batch_stats.append(self.batch.finish_stats())
-        elif self.batch.empty and not self.continuous and self.batch.stats is not None:
-            self.batch_stats.append(self.batch.finish_stats())  # static: one batch has drained
-        return finished
+        return plan
 
-    def _run(self, plan: SchedulerOutput) -> list[Sequence]:
-        """Runs the plan's forward pass, samples on the device and records the new tokens."""
+    def _run(self, plan: SchedulerOutput) -> Sampled | None:
+        """Runs the plan's forward pass and samples the next tokens on the device (None: the
+        pass ran out of memory and its prefills were requeued)."""
         try:
             logits = self.runner.run(self.cache, plan.chunks)
         except torch.OutOfMemoryError as exc:
-            return self._out_of_memory(plan, exc)
-        prefill = sum(c.count for c in plan.chunks if c.count > 1 or c.start < c.seq.num_prompt_tokens)
+            self._out_of_memory(plan, exc)
+            return None
         self.scheduler.update(plan)
-        self.batch.count_pass(plan, self.pool.num_used * self.block_size, prefill)
-        sampled = [c.seq for c in plan.chunks if c.samples]
-        if not sampled:
-            return []
-        rows = self.batch.rows(sampled)
-        constrained = [s for s in sampled if s.matcher is not None]
-        if constrained:
-            self.grammar.apply(logits, sampled)
+        self.stats.count_pass(plan, self.pool.num_used * self.block_size)
+        seqs = [c.seq for c in plan.chunks if c.samples]
+        if not seqs:
+            return None
+        rows = self.batch.rows(seqs)
+        if any(s.matcher is not None for s in seqs):
+            self.grammar.apply(logits, seqs)
         tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows))
-        finished = self.batch.record(sampled, rows, tokens, logprobs)
+        return Sampled(seqs, rows, tokens, logprobs)
+
+    def _postprocess(self, sampled: Sampled) -> list[Sequence]:
+        """Records the sampled tokens on the host and finishes the rows that are done."""
+        finished = self.batch.record(sampled.seqs, sampled.rows, sampled.tokens, sampled.logprobs)
+        constrained = [s for s in sampled.seqs if s.matcher is not None]
         if constrained:
             self.grammar.stop_whole_at_length(finished)
             finished += self._grammar_complete([s for s in constrained if s.finish_reason is None])
         self.scheduler.finish(finished)
         self.batch.remove(finished)
         return finished
+
+    def _close_batch(self) -> None:
+        """A drained table closes its batch's statistics: when no work is left, or in static
+        mode whenever one batch has drained."""
+        if self.batch.empty and self.stats.open and (not self.continuous or not self.scheduler.has_work()):
+            self.batch_stats.append(self.stats.close())
 
     def _grammar_complete(self, seqs: list[Sequence]) -> list[Sequence]:
         """Constrained rows whose grammar is complete stop there (also with ignore_eos)."""
@@ -254,7 +288,7 @@ class LLMEngine:
                     seq.finish("stop", seq.stop_reason)
         return done
 
-    def _out_of_memory(self, plan: SchedulerOutput, exc: Exception) -> list[Sequence]:
+    def _out_of_memory(self, plan: SchedulerOutput, exc: Exception) -> None:
         """A pass ran out of device memory. Its prefill rows go back to the queue (recomputed
         later) and later passes carry half the tokens; the pool is untouched (nothing of the
         failed pass was named, so no cached block holds half-written keys and values). A pass of
@@ -268,9 +302,7 @@ class LLMEngine:
         for seq in chunked:
             self.scheduler.preempt(seq)
         self.batch.remove(chunked)
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return []
+        self.runner.release_cached_memory()
 
     def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
@@ -290,7 +322,7 @@ class LLMEngine:
             prompt_ids.append(ids)
             choice_ids.append(cids)
         if self.has_unfinished():
-            raise RuntimeError("score_choices() called while generation requests are still running")
+            raise EngineBusy("score_choices() called while generation requests are still running")
         scores = score_choices(self, prompt_ids, choice_ids)
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
@@ -320,7 +352,7 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         if self.has_unfinished():
-            raise RuntimeError("generate() called while requests from add_request() are still running")
+            raise EngineBusy("generate() called while requests from add_request() are still running")
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         try:
             while self.has_unfinished():

@@ -13,34 +13,16 @@ Full prompt blocks are named afterwards, so later rows and generation requests r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.block_pool import chain_hashes
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk
-from engine.sequence import Sequence
+from engine.api.outputs import ChoiceScores
+from engine.api.sampling_params import SamplingParams
+from engine.core.block_pool import chain_hashes
+from engine.core.scheduler import ScheduledChunk
+from engine.core.sequence import Sequence
 
 LOGITS_BYTES = 256 * 2**20
 """Pass 2 runs in chunks of choice tokens whose float32 logits stay under this size."""
-
-
-@dataclass
-class ChoiceScores:
-    """The scores of one row's choices, in the order given."""
-
-    logprobs: list[float]
-    """Summed log-probability of each choice's tokens after the prompt."""
-    num_tokens: list[int]
-    """Tokens in each choice."""
-    num_prompt_tokens: int
-    """Tokens in the prompt."""
-    error: str | None = None
-    """Why the row could not be scored (then logprobs is empty)."""
-    num_cached_tokens: int = 0
-    """Prompt tokens found in the prefix cache (the choices share the prompt's blocks: none
-    of them reads it again)."""
 
 
 def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:

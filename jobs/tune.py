@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.config import CPU_POOL_TOKENS
+from engine.api import CPU_POOL_TOKENS
 
 from jobs.spec import JobSpec
 

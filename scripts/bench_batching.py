@@ -83,8 +83,8 @@ def measure(mode: str, key: str, args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engine.builtin import builtin_path
-    from engine.config import EngineConfig
+    from engine.api import EngineConfig
+    from engine.models import builtin_path
 
     model_dir = builtin_path(args.model) if args.model.startswith("builtin:") else args.model
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -127,7 +127,7 @@ def measure(mode: str, key: str, args) -> dict:
     elif mode.startswith("hf"):
         from transformers import AutoModelForCausalLM
 
-        from engine.devices import resolve_device, resolve_dtype
+        from engine.runner import resolve_device, resolve_dtype
 
         device = resolve_device(args.device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device),

@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import builtin_path
+from engine.models import builtin_path
 
 MODEL = "builtin:llama-42m"
 

@@ -43,7 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import byte_tokenizer
+from engine.models import byte_tokenizer
 
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=16384, max_position_embeddings=2048)

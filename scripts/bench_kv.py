@@ -27,9 +27,7 @@ import time
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_pool import BlockPool
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core import BlockPool, Scheduler, Sequence
 
 
 def peak(llm: LLMEngine) -> tuple[int, int, int]:

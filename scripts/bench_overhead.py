@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import byte_tokenizer
+from engine.models import byte_tokenizer
 
 
 def micro_model(out: Path, vocab: int = 259) -> Path:

@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.kernels import triton_attention as ta  # noqa: E402
+from engine.runner.kernels import triton_attention as ta  # noqa: E402
 
 SHAPES = [  # name, dtype, KV pool dtype, query heads per KV head, head dim, sliding window, soft-cap
     ("llama-3-8b", torch.bfloat16, torch.bfloat16, 4, 128, 0, 0.0),

@@ -200,7 +200,7 @@ def main() -> None:
     if reason:
         raise SystemExit(f"ctranslate2 is not usable: {reason}")
     import ctranslate2
-    from engine.builtin import builtin_path, default_cache_dir, is_builtin
+    from engine.models import builtin_path, default_cache_dir, is_builtin
 
     model_dir = builtin_path(args.model) if is_builtin(args.model) else Path(args.model)
     out = args.out or default_cache_dir() / "ct2" / f"{Path(model_dir).name}-{_QUANTIZATION}"

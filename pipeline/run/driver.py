@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from engine.errors import one_line
+from engine.api import one_line
 from pipeline.errors import InputError, JobError, LockHeld, OutputConflict, ResourceError
 from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact_spec
 from pipeline.run import chaos

@@ -6,9 +6,9 @@ torch-free `validate` of the schema cannot (xgrammar imports torch).
 """
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError, one_line
-from engine.structured_outputs import StructuredOutputsParams
+from engine.api import EngineConfig
+from engine.api import ModelLoadError, one_line
+from engine.api import StructuredOutputsParams
 from pipeline.errors import InputError, JobError, TemplateError
 from pipeline.io import Storage, list_inputs, read_schema_columns
 from pipeline.spec import JobSpec
@@ -54,11 +54,11 @@ def spec_constraints(spec: JobSpec) -> list[tuple[str, StructuredOutputsParams]]
 
 def check_constraints(spec: JobSpec, tokenizer) -> None:
     """Compiles the job's grammars against `tokenizer`: JobError naming the key and the cause when
-    one is invalid or too slow to compile (engine.grammar.COMPILE_TIMEOUT_S)."""
+    one is invalid or too slow to compile (engine.sample.grammar.COMPILE_TIMEOUT_S)."""
     constraints = spec_constraints(spec)
     if not constraints:
         return
-    from engine.grammar import GrammarBackend  # imports torch and xgrammar: only when there is a grammar
+    from engine.sample import GrammarBackend  # imports torch and xgrammar: only when there is a grammar
 
     eos = getattr(tokenizer, "eos_token_id", None)
     backend = GrammarBackend(tokenizer, len(tokenizer), {eos} if isinstance(eos, int) else set())
@@ -87,8 +87,8 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
 def check_model(config: EngineConfig):
     """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
     loads its tokenizer (no weights). Returns the tokenizer."""
-    from engine.echo import ECHO_MODEL, EchoEngine  # the engine's modules import torch: only when checked
-    from engine.loader import check_model_files, load_tokenizer
+    from engine import ECHO_MODEL, EchoEngine  # the engine's modules import torch: only when checked
+    from engine.models import check_model_files, load_tokenizer
 
     if config.model == ECHO_MODEL:
         return EchoEngine(config).tokenizer.hf

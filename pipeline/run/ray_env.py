@@ -6,7 +6,7 @@ import logging
 import os
 import re
 
-from engine.errors import one_line
+from engine.api import one_line
 from pipeline.errors import FatalShardError, InputError
 
 FATAL_ERRORS = (FatalShardError, InputError)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from engine.config import CPU_POOL_TOKENS
-from engine.errors import RankError, one_line
+from engine.api import CPU_POOL_TOKENS
+from engine.api import RankError, one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
 from pipeline.run import chaos

@@ -1,5 +1,5 @@
 """What a job is: the spec's schema, the `Job` handed around a run, its output columns and metric
-names. Imports engine.config, engine.sampling_params and engine.structured_outputs only: never the
+names. Imports engine.api.config, engine.api.sampling_params and engine.api.structured_outputs only: never the
 engine, torch or Ray."""
 from pipeline.errors import SpecError
 from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,

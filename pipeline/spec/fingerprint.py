@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
-from engine.config import CPU_POOL_TOKENS
+from engine.api import CPU_POOL_TOKENS
 from pipeline.errors import SpecError
 from pipeline.spec.structured import schema_file_refs
 

@@ -3,8 +3,8 @@
 The engine and sampling sections are derived from `EngineConfig` and `SamplingParams`, so
 their defaults and descriptions live in exactly one place. It lives in pipeline/ so that
 `build_processor` validates its config with the same rules; jobs.spec reads YAML into it.
-Validating a spec imports neither torch nor transformers (engine.config and
-engine.sampling_params are plain dataclasses).
+Validating a spec imports neither torch nor transformers (engine.api.config and
+engine.api.sampling_params are plain dataclasses).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine.config import DEFAULT_MODEL, EngineConfig, auto_dtype
-from engine.sampling_params import SamplingParams
+from engine.api import DEFAULT_MODEL, EngineConfig, auto_dtype
+from engine.api import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
 from pipeline.spec.fingerprint import fingerprint

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.structured_outputs import KINDS, StructuredOutputsParams
+from engine.api import KINDS, StructuredOutputsParams
 
 SCHEMA_FILE_FIELDS = (("sampling", "structured_outputs", "json"), ("label", "json_schema"))
 """Spec keys whose string value names a JSON Schema file rather than holding the schema."""

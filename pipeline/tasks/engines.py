@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
+from engine.api import EngineConfig
 from pipeline.tasks.task_runner import TaskRunner
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def start_engine(spec: JobSpec, prompts: PromptBuilder | None = None,
 def build_engine(config: EngineConfig):
     """An engine: LLMEngine, or the instant EchoEngine for builtin:echo (scale tests)."""
     from engine import LLMEngine  # the engine's modules import torch: only when one is built
-    from engine.echo import ECHO_MODEL, EchoEngine
+    from engine import ECHO_MODEL, EchoEngine
 
     if config.model == ECHO_MODEL:
         return EchoEngine(config)

@@ -8,7 +8,7 @@ per-row error. Nothing here raises on bad input: a bad line is a row error, and 
 Body fields, by what happens to them:
     mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
                 stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat),
-                n (1 .. engine.sampling_params.MAX_N: one line with n choices)
+                n (1 .. engine.api.sampling_params.MAX_N: one line with n choices)
                 response_format (chat; {type: text | json_object | json_schema, json_schema: {name,
                 schema, strict, description}} -> structured_outputs; always enforced, strict or not)
     checked     stream (only false), model (a string; reported in the response only)
@@ -20,7 +20,7 @@ Body fields, by what happens to them:
 A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
 with two engine limits on top: top_p must be > 0 and seed must be >= 0. A body's JSON Schema is
 untrusted input: over MAX_SCHEMA_BYTES it is refused here, and the engine bounds the time its
-grammar may take to compile (engine.grammar.COMPILE_TIMEOUT_S); either way only that request fails.
+grammar may take to compile (engine.sample.grammar.COMPILE_TIMEOUT_S); either way only that request fails.
 
 Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
 written by pipeline.run.openai_files.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine.sampling_params import MAX_N
+from engine.api import MAX_N
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

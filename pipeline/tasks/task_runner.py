@@ -20,8 +20,8 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from engine.api import SamplingParams
+from engine.api import StructuredOutputsParams
 from pipeline.spec import INCOMPLETE
 from pipeline.tasks import scoring
 from pipeline.tasks.label_fields import field_values, fields_type

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import chunk_attention, load_cpu_kernel, reference_token_attention
+from engine.runner.attention import chunk_attention, load_cpu_kernel, reference_token_attention
 
 
 def pools(num_blocks=12, hkv=2, bs=4, d=8, seed=0):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graph import bucket_sizes
+from engine.runner.cuda_graph import bucket_sizes
 
 PROMPTS = ["Hello there", "The quick brown fox", "abc", "A longer prompt that spans a few blocks of the pool",
            "x", "Once upon a time"]
@@ -74,7 +74,7 @@ def test_each_bucket_runs_once_outside_a_capture_before_its_capture(monkeypatch)
     with stand-ins for the CUDA graph calls, replays running the captured pass."""
     import contextlib
 
-    from engine.cuda_graph import DecodeGraphs
+    from engine.runner.cuda_graph import DecodeGraphs
 
     state = {"graph": None, "warm": set(), "cold_in_capture": []}
 
@@ -133,7 +133,7 @@ def test_dynamic_rotary_scaling_keeps_decode_eager(tmp_path, monkeypatch, tiny_m
     failing a capture (and warning) on every run. Other models keep their graphs."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from engine.builtin import byte_tokenizer
+    from engine.models.builtin import byte_tokenizer
 
     config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
+from engine.api.config import SCHEDULING_MODES
 from test_parity import PROMPTS, assert_same_tokens
 
 pytestmark = [pytest.mark.gpu,

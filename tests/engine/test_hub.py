@@ -11,9 +11,10 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import hub
-from engine.builtin import builtin_path
-from engine.loader import ModelLoadError, check_model_files, resolve_model_dir
+from engine.models import hub
+from engine.models.builtin import builtin_path
+from engine import ModelLoadError
+from engine.models.files import check_model_files, resolve_model_dir
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import builtin_path
-from engine.loader import ModelLoadError
+from engine.models.builtin import builtin_path
+from engine import ModelLoadError
 
 
 def digest(path):

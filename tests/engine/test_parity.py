@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
+from engine.api.config import SCHEDULING_MODES
 from parity import assert_same_tokens, reference
 from tiny_models import ARCHS
 

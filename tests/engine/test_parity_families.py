@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
-from engine.errors import ModelLoadError
+from engine.api.config import SCHEDULING_MODES
+from engine.api.errors import ModelLoadError
 from parity import assert_same_tokens, reference
 from test_parity import PROMPTS
 from tiny_models import LONGROPE_ORIGINAL, MORE_ARCHS
@@ -45,7 +45,7 @@ def test_greedy_matches_transformers_with_and_without_preemption(arch, mode, tin
 def test_architectures_the_engine_cannot_run_fail_at_load_in_one_line(tmp_path):
     from transformers import AutoModelForCausalLM, BloomConfig
 
-    from engine.builtin import byte_tokenizer
+    from engine.models.builtin import byte_tokenizer
 
     AutoModelForCausalLM.from_config(BloomConfig(vocab_size=259, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(
         tmp_path)

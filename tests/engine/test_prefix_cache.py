@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
-from engine.block_pool import BlockPool, chain_hashes, hash_salt
+from engine.api.config import SCHEDULING_MODES
+from engine.core.block_pool import BlockPool, chain_hashes, hash_salt
 from test_parity import assert_same_tokens, reference
 
 PREFIX = "Label the sentiment of the review as positive or negative. Review:"  # 66 bytes: ends mid-block

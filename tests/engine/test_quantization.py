@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.quantization import Int8Linear
+from engine.quantization.methods import Int8Linear
 from test_parity import PROMPTS
 from tiny_models import build_tiny_model
 
@@ -69,7 +69,7 @@ def _plain_logits(llm, ids):
     """The quantized model's logits on a plain forward (no engine cache)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.quantization import quantize_model
+    from engine.quantization.methods import quantize_model
 
     model = AutoModelForCausalLM.from_pretrained(llm.runner.model_dir, dtype=torch.float32).eval()
     quantize_model(model, "int8", torch.float32)
@@ -99,7 +99,7 @@ def test_fp8_linear_asks_for_a_bfloat16_product_in_every_dtype(dtype, monkeypatc
     """Row-wise scaled fp8 matmuls give a bfloat16 product only on most CUDA cards (a float16 or
     float32 out_dtype fails there at the first pass): the layer asks for bfloat16 and casts.
     Checked on CPU, where torch runs the same call; the result stays within fp8's error."""
-    from engine.quantization import Fp8Linear
+    from engine.quantization.methods import Fp8Linear
 
     asked, scaled_mm = [], torch._scaled_mm
 
@@ -210,7 +210,7 @@ def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one
     import json
     import shutil
 
-    from engine.errors import ModelLoadError
+    from engine.api.errors import ModelLoadError
 
     out = tmp_path / "w4"
     shutil.copytree(tiny_model_dir("llama"), out)
@@ -232,7 +232,7 @@ def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one
 def test_moe_experts_left_unquantized_are_said_at_load(tiny_model_dir, caplog):
     """Mixtral's experts are 3-D tensors, not linear layers: int8 leaves them as they are, and
     says so (most of a real MoE model's bytes are there)."""
-    with caplog.at_level("WARNING", logger="engine.quantization"):
+    with caplog.at_level("WARNING", logger="engine.quantization.methods"):
         llm = LLMEngine(EngineConfig(model=str(tiny_model_dir("mixtral")), quantization="int8"))
     warned = [r.getMessage() for r in caplog.records if "MoE experts" in r.getMessage()]
     assert len(warned) == 1 and "stay in float32" in warned[0]

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
+from engine.api.config import SCHEDULING_MODES
 from real_vocab import VOCAB, build_real_vocab_model
 from schemas import SCHEMAS
 

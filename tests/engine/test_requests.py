@@ -169,7 +169,7 @@ def tiny_reference():
     """builtin:tiny in transformers, float32."""
     from transformers import AutoModelForCausalLM
 
-    from engine.builtin import builtin_path
+    from engine.models.builtin import builtin_path
 
     return AutoModelForCausalLM.from_pretrained(builtin_path("builtin:tiny"), dtype=torch.float32).eval()
 

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper)
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.sampler import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, apply_penalties
+from engine.sample.sampler import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, apply_penalties
 
 PROMPT = "abc"
 TEMPERATURE = 0.8
@@ -166,7 +166,7 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(tiny_model_dir, refer
 
 
 def test_two_pass_argmax_equals_argmax_with_ties_and_a_tail():
-    from engine.sampler import argmax
+    from engine.sample.sampler import argmax
 
     g = torch.Generator().manual_seed(0)
     for v in (100, 16384, 16384 + 37, 128256):
@@ -180,7 +180,7 @@ def test_two_pass_argmax_equals_argmax_with_ties_and_a_tail():
 
 
 def test_gumbel_noise_is_finite_at_every_draw_so_a_masked_token_never_wins():
-    from engine.sampler import argmax, gumbel_noise
+    from engine.sample.sampler import argmax, gumbel_noise
 
     bits = torch.tensor([[(1 << 24) - 1, 0, 1 << 23, (1 << 24) - 2]], dtype=torch.int64)
     assert ((bits.to(torch.float32) + 0.5) / (1 << 24)).max().item() == 1.0  # the draw that rounds to u = 1
@@ -194,7 +194,7 @@ def test_a_row_at_top_p_1_keeps_its_whole_tail_beside_a_top_p_row():
     """In float32 the cumulative mass of 32k tokens reaches 1 before the last of them: a row at
     top_p 1 must still keep every token when another row of its batch turns top-p filtering on,
     so that its seeded draw does not depend on its neighbours."""
-    from engine.sampler import SamplingFlags, _filter
+    from engine.sample.sampler import SamplingFlags, _filter
 
     vocab = 32000
     logits = torch.full((2, vocab), math.log(0.005 / (vocab - 1)))

@@ -2,10 +2,10 @@
 prefill under the pass budget, preemption of the most recently admitted row, static cohorts."""
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.api.sampling_params import SamplingParams
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, Status
 
 
 def seq(i: int, prompt: int, max_tokens: int = 8) -> Sequence:
@@ -212,7 +212,7 @@ def test_a_row_whose_growth_would_overflow_the_pool_at_the_peak_waits():
 
 
 def test_the_projected_peak_counts_rows_that_end_earlier_as_freeing_their_own_blocks():
-    from engine.scheduler import Projection
+    from engine.core.scheduler import Projection
 
     pool = BlockPool(100, 4)
     projection = Projection([], pool, growth=1.0)

@@ -58,7 +58,7 @@ def test_rows_that_cannot_be_scored_fail_alone():
 
 
 def test_a_row_needs_its_prompt_blocks_once_and_per_longer_choice_a_partial_copy():
-    from engine.block_pool import BlockPool
+    from engine.core.block_pool import BlockPool
     from engine.scoring import _blocks
 
     pool = BlockPool(num_blocks=64, block_size=16)

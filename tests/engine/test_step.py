@@ -6,8 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_MODES
-from engine.tokenizer import StopStringChecker
+from engine.api.config import SCHEDULING_MODES
+from engine.models.tokenizer import StopStringChecker
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
 """Ops that read a device value on the host (item(), bool(), int(), if tensor: ...)."""
@@ -121,8 +121,8 @@ def test_stop_strings_are_found_across_tokens_and_multibyte_characters(llm_facto
     """The check decodes a window of the latest tokens: a stop string split over several
     tokens, or inside a multi-byte character's byte tokens, is still found, and the text is
     cut before it."""
-    from engine.builtin import byte_tokenizer
-    from engine.tokenizer import Tokenizer
+    from engine.models.builtin import byte_tokenizer
+    from engine.models.tokenizer import Tokenizer
 
     tok = Tokenizer(byte_tokenizer())
     ids = tok.hf("ab\u20acxy!", add_special_tokens=False)["input_ids"]  # the euro sign is 3 byte tokens
@@ -159,8 +159,8 @@ def test_stop_string_checks_skip_only_tokens_that_cannot_complete_one(kind):
     string, the window before it none) is marked as a possible end."""
     import random
 
-    from engine.builtin import byte_tokenizer
-    from engine.tokenizer import Tokenizer
+    from engine.models.builtin import byte_tokenizer
+    from engine.models.tokenizer import Tokenizer
 
     tok = Tokenizer(byte_tokenizer() if kind == "bytes" else _trained_tokenizer(kind))
     vocab = len(tok.hf)
@@ -278,7 +278,7 @@ def test_the_pool_sized_from_the_card_counts_this_engines_share_only(monkeypatch
     activations at the profiling pass, 0.5 GiB of workspaces."""
     import types
 
-    from engine import memory
+    from engine.runner import memory
 
     gib = 1 << 30
     total, elsewhere, context, peak, workspaces = 80 * gib, 40 * gib, 1 * gib, 12 * gib, gib // 2

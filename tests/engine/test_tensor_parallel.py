@@ -9,7 +9,7 @@ import os
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.errors import ModelLoadError
+from engine.api.errors import ModelLoadError
 from parity import assert_same_tokens, reference
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 3, "abc", "Hello there, and more"]
@@ -107,7 +107,7 @@ def test_sizes_that_do_not_divide_are_refused_in_one_line(tiny_model_dir):
 def test_kv_heads_fewer_than_ranks_are_refused(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from engine.builtin import byte_tokenizer
+    from engine.models.builtin import byte_tokenizer
 
     cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=1)

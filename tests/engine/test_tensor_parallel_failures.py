@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.errors import RankError
+from engine.api.errors import RankError
 
 TIMEOUT_S = 2.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def test_ranks_die_with_a_killed_parent(tiny_model_dir, tmp_path):
 def test_a_ranks_own_error_is_the_error_raised():
     """A rank that reports its error (its exception, one line) and exits: the engine's RankError
     is that report, not the bare exit code the rank shows once it is gone."""
-    from engine.ranks import RankGroup
+    from engine.distributed.ranks import RankGroup
 
     ranks = RankGroup.__new__(RankGroup)
     ranks.procs, stopped = [], []

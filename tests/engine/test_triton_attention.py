@@ -1,4 +1,4 @@
-"""The Triton attention kernels (the CUDA path) equal the torch references of engine.attention.
+"""The Triton attention kernels (the CUDA path) equal the torch references of engine.runner.attention.
 
 Without CUDA they run under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
 triton is first imported, because triton fixes a kernel's mode when it is decorated (and the
@@ -26,9 +26,9 @@ if not CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9
                 f"under numpy 2; this is {triton.__version__})", allow_module_level=True)
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine import attention  # noqa: E402
-from engine.attention import chunk_attention, reference_token_attention  # noqa: E402
-from engine.kernels import triton_attention as ta  # noqa: E402
+from engine.runner import attention  # noqa: E402
+from engine.runner.attention import chunk_attention, reference_token_attention  # noqa: E402
+from engine.runner.kernels import triton_attention as ta  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
 
 @pytest.mark.skipif(CUDA, reason="on CUDA the engine takes the Triton path by itself (tests/engine/test_gpu.py)")
 def test_the_engine_through_the_kernels_gives_the_torch_paths_tokens(tiny_model_dir, monkeypatch):
-    """The dispatch of engine.attention, run on CPU with the kernels standing in for CUDA's: a
+    """The dispatch of engine.runner.attention, run on CPU with the kernels standing in for CUDA's: a
     GQA model with soft-capping and sliding-window layers (Gemma 2), long prompts cut into
     chunks (the later ones after a cached prefix), short prompts through the per-token path,
     and decode, mixed in passes."""

@@ -12,7 +12,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OPTConfig,
                           Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
-from engine.builtin import byte_tokenizer
+from engine.models.builtin import byte_tokenizer
 
 VOCAB = 259
 ARCHS = ("llama", "qwen2", "gpt2", "gpt_neox", "opt", "mistral", "phi3", "qwen3")

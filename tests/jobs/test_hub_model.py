@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from engine.builtin import builtin_path
+from engine.models.builtin import builtin_path
 from helpers import read_output, write_jsonl
 from jobs.cli import main
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
-from engine.builtin import builtin_path
+from engine.models.builtin import builtin_path
 from helpers import read_output, write_jsonl
 from jobs.cli import main
 

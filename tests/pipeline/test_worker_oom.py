@@ -103,7 +103,7 @@ def engine_losing_a_rank(times: int, built: list):
     """An engine factory whose first `times` engines fail their pass the way a tensor-parallel
     engine does when a rank dies (RankError), as a real rank kill is too slow for this file;
     tests/engine/test_tensor_parallel_failures.py kills real ranks."""
-    from engine.errors import RankError
+    from engine.api.errors import RankError
 
     real = engine_module.build_engine
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 M32 = 0xFFFFFFFF
 U_MAX = 1.0 - 2.0 ** -24

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine.attention import PassMetadata
+from engine.runner.attention import PassMetadata
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from engine.api.errors import ModelLoadError
 
 STYLES = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "replicated"}
 """tp_plan styles the engine shards as planned."""

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.errors import RankError, one_line
+from engine.api.errors import RankError, one_line
 
 POLL_S = 0.2
 """How often a rank checks that rank 0 is alive, and rank 0 waits on its starting ranks."""

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.block_pool import BlockPool, chain_hashes
-from engine.sequence import Sequence, Status
+from engine.core.block_pool import BlockPool, chain_hashes
+from engine.core.sequence import Sequence, Status
 
 CPU_BATCHED_TOKENS = 1024
 """On CPU a pass of ~1k tokens already keeps every core busy (scripts/bench_batching.py)."""

@@ -16,9 +16,10 @@ import sys
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk
-from engine.sequence import Sequence
+from engine.api.errors import PoolSizingError
+from engine.api.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledChunk
+from engine.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +96,20 @@ def profile_pool_blocks(llm) -> int:
     util = llm.config.gpu_memory_utilization
     outside, live = runner.memory_before_load or (0, 0)  # not measured at load: all of it counts
     if total - outside - live < int(total * util):
-        raise RuntimeError(f"gpu_memory_utilization={util} asks for {total * util / 2**30:.1f} GiB of the "
-                           f"{total / 2**30:.1f} GiB card, but only {(total - outside - live) / 2**30:.1f} GiB were "
-                           f"free when the engine started (other processes or engines held the rest): lower it, or "
-                           f"free the card")
+        raise PoolSizingError(f"gpu_memory_utilization={util} asks for {total * util / 2**30:.1f} GiB of the "
+                              f"{total / 2**30:.1f} GiB card, but only {(total - outside - live) / 2**30:.1f} GiB were "
+                              f"free when the engine started (other processes or engines held the rest): lower it, or "
+                              f"free the card")
     # what this engine holds outside torch's allocator since it started (cuBLAS, NCCL workspaces),
     # and at its peak beyond what this process's tensors held before it loaded
     own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - outside)
     budget = int(total * util) - (peak - live) - own_outside
     num = budget // per_block if per_block else 0
     if num * bs < llm.max_model_len:
-        raise RuntimeError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "
-                           f"{num * bs} KV tokens after weights and activations (peak {peak / 2**30:.1f} GiB "
-                           f"of {total / 2**30:.1f} GiB), fewer than max_model_len ({llm.max_model_len}): raise it, "
-                           "lower max_model_len or max_num_batched_tokens, or set max_batch_tokens")
+        raise PoolSizingError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "
+                              f"{num * bs} KV tokens after weights and activations (peak {peak / 2**30:.1f} GiB "
+                              f"of {total / 2**30:.1f} GiB), fewer than max_model_len ({llm.max_model_len}): raise it, "
+                              "lower max_model_len or max_num_batched_tokens, or set max_batch_tokens")
     log.info("KV pool: %d blocks of %d tokens (%.1f GiB) from gpu_memory_utilization=%.2f", num, bs,
              num * per_block / 2**30, llm.config.gpu_memory_utilization)
     return int(num)

@@ -14,7 +14,7 @@ keys and values at its slot before attention runs, so every query token attends 
   all earlier positions of the row; GQA without repeating K/V).
 
 On CUDA, with triton importable, both go through Triton kernels instead
-(`engine.kernels.triton_attention`: split-KV decode, and all long chunks of a pass in one
+(`engine.runner.kernels.triton_attention`: split-KV decode, and all long chunks of a pass in one
 causal launch), reading the blocks in place; BATCHINFER_TRITON=0 keeps the torch paths.
 
 Logit soft-capping (Gemma 2) is applied in both paths.
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from engine.api.errors import AttentionOutsideEngine
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     meta: PassMetadata | None = kwargs.get("batchinfer_pass")
     cache = kwargs.get("batchinfer_cache")
     if meta is None or cache is None:
-        raise RuntimeError(f"{IMPLEMENTATION} attention runs only inside batchinfer's engine")
+        raise AttentionOutsideEngine(f"{IMPLEMENTATION} attention runs only inside batchinfer's engine")
     layer = cache.layers[module.layer_idx]
     q = query[0].transpose(0, 1)  # (T, H, D)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
@@ -165,7 +167,7 @@ _TRITON: list = []  # [module or None] once tried
 
 
 def _triton_kernels(q: torch.Tensor):
-    """engine.kernels.triton_attention for CUDA tensors; None on CPU, without triton, or with
+    """engine.runner.kernels.triton_attention for CUDA tensors; None on CPU, without triton, or with
     BATCHINFER_TRITON=0 (triton is imported only here, so CPU installs never need it)."""
     if q.device.type != "cuda":
         return None
@@ -173,7 +175,7 @@ def _triton_kernels(q: torch.Tensor):
         module = None
         if os.environ.get("BATCHINFER_TRITON", "1") != "0":
             try:
-                from engine.kernels import triton_attention as module
+                from engine.runner.kernels import triton_attention as module
             except ImportError as exc:
                 log.warning("triton unavailable (%s); CUDA attention uses the torch paths (slower)", exc)
         _TRITON.append(module)

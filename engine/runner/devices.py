@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import auto_dtype
+from engine.api.config import auto_dtype
+from engine.api.errors import DeviceError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -13,7 +14,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA device")
+        raise DeviceError(f"device {name!r} asked for, but torch sees no CUDA device")
     return device
 
 

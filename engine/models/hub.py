@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from engine.errors import ModelLoadError, one_line
+from engine.api.errors import ModelLoadError, one_line
 
 log = logging.getLogger(__name__)
 

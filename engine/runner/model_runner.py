@@ -9,18 +9,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from engine.attention import CHUNK_MIN_TOKENS, PassMetadata
-from engine import tensor_parallel
-from engine.config import EngineConfig
-from engine.devices import resolve_device, resolve_dtype, resolve_kv_dtype
-from engine.errors import ModelLoadError, one_line
-from engine.kv_cache import PagedKVCache
-from engine.loader import check_architecture, load_model, load_tokenizer, read_config, resolve_model_dir
-from engine.memory import used_before_load
-from engine.ranks import RankGroup, join_as_rank, rank_device
-from engine.quantization import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
-from engine.rope import rowwise_longrope
-from engine.scheduler import ScheduledChunk
+from engine.api.config import EngineConfig
+from engine.api.errors import ModelLoadError, one_line
+from engine.core.scheduler import ScheduledChunk
+from engine.distributed import tensor_parallel
+from engine.distributed.ranks import RankGroup, join_as_rank, rank_device
+from engine.models.files import load_tokenizer, read_config, resolve_model_dir
+from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
+from engine.runner.attention import CHUNK_MIN_TOKENS, PassMetadata
+from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
+from engine.runner.kv_cache import PagedKVCache
+from engine.runner.loader import check_architecture, load_model
+from engine.runner.memory import used_before_load
+from engine.runner.rope import rowwise_longrope
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ModelRunner:
     """Holds the model and tokenizer and runs forward passes over the paged KV pool.
 
     A pass packs its chunks into one sequence (batch size 1, T tokens) with each token's own
-    position; attention (`engine.attention`, registered with transformers) reads each row's
+    position; attention (`engine.runner.attention`, registered with transformers) reads each row's
     blocks, so no mask is built and no padding is computed."""
 
     def __init__(self, config: EngineConfig, rank: int = 0):
@@ -62,7 +63,7 @@ class ModelRunner:
         self.device = rank_device(resolve_device(config.device), rank)
         self.memory_before_load = used_before_load(self.device) if self.device.type == "cuda" else None
         """(Bytes of the card in use outside torch's allocator, bytes of live tensors) before the
-        weights loaded: engine.memory sizes the pool apart from them."""
+        weights loaded: engine.runner.memory sizes the pool apart from them."""
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device)
         self.model_dir = resolve_model_dir(config)
@@ -109,12 +110,12 @@ class ModelRunner:
                                  "one sequence and cannot give it each token's position")
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.graphs = None
-        """engine.cuda_graph.DecodeGraphs once enabled (LLMEngine: CUDA, unless enforce_eager)."""
+        """engine.runner.cuda_graph.DecodeGraphs once enabled (LLMEngine: CUDA, unless enforce_eager)."""
 
     def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None):
         """This rank's shard (quantized after sharding: each shard's own per-channel scales); rank 0
         starts the other ranks first (after the checks that need none) and waits for their shards."""
-        from engine import attention
+        from engine.runner import attention
 
         n = self.tensor_parallel_size
         check_architecture(hf_config)
@@ -162,6 +163,12 @@ class ModelRunner:
             extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
         self.unquantized_nbytes = weights_nbytes(model) + extra
         quantize_model(model, self.quantization, self.dtype)
+
+    def release_cached_memory(self) -> None:
+        """Gives the blocks torch's CUDA allocator caches back to the card (after an out-of-memory
+        pass, so the next pass finds them)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""
@@ -301,9 +308,9 @@ class ModelRunner:
 
     def enable_graphs(self, max_rows: int, max_blocks: int, capture: bool = True) -> None:
         """Decode passes of up to `max_rows` rows holding up to `max_blocks` blocks each replay
-        CUDA graphs (engine.cuda_graph). `capture=False` runs the same static-buffer passes
+        CUDA graphs (engine.runner.cuda_graph). `capture=False` runs the same static-buffer passes
         eagerly (the CPU tests' way of checking them)."""
-        from engine.cuda_graph import DecodeGraphs
+        from engine.runner.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_rows, max_blocks, capture=capture)
 

@@ -15,11 +15,12 @@ import time
 import numpy as np
 import torch
 
-from engine.finish import finish_rows, stop_string_hits
-from engine.outputs import BatchStats
-from engine.sampler import SamplingFlags, SamplingTensors
-from engine.sequence import Sequence
-from engine.tokenizer import StopStringChecker, Tokenizer
+from engine.api.errors import BatchFull
+from engine.core.sequence import Sequence
+from engine.models.tokenizer import StopStringChecker, Tokenizer
+from engine.sample.finish import finish_rows, stop_string_hits
+from engine.sample.logprobs import logprob_columns, record_logprobs, top_n
+from engine.sample.sampler import SamplingFlags, SamplingTensors
 
 # Device tensors with one row per slot (first dimension = slots). `state` packs the integer
 # per-row values (STATE_COLUMNS), so joining or moving rows copies one table.
@@ -52,9 +53,6 @@ class Batch:
         self.h_text = np.zeros(slots, dtype=bool)  # rows with stop strings
         self._features = dict.fromkeys(FEATURES, 0)  # rows using each sampling feature
         self.flags = SamplingFlags()
-        self.stats: BatchStats | None = None
-        self.started = 0.0
-        self._all: dict[int, Sequence] = {}
 
     @property
     def num_rows(self) -> int:
@@ -77,8 +75,7 @@ class Batch:
         """Adds `seqs` as rows [n, n + k); a row back from a preemption resumes its counters."""
         n, k = self.num_rows, len(seqs)
         if n + k > self.slots:
-            raise RuntimeError(f"{n + k} rows do not fit the table's {self.slots} slots")
-        self._start_stats(seqs)
+            raise BatchFull(f"{n + k} rows do not fit the table's {self.slots} slots")
         rows = slice(n, n + k)
         steps = [s.num_output_tokens for s in seqs]
         state = torch.tensor([[st, s.params.max_tokens, s.params.min_tokens] for st, s in zip(steps, seqs)],
@@ -166,13 +163,10 @@ class Batch:
             self.output_counts[idx, tokens] += 1
             self.seen[idx, tokens] = True
         done = (tokens[:, None] == self.stop_ids[rows]).any(dim=1) | (self.steps[rows] >= self.max_tokens[rows])
-        top_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        n = top_n(seqs)
         rows_out = [tokens.double(), done.double()]
-        if logprobs is not None and top_n is not None:  # logprobs ride along in the same transfer
-            rows_out.append(logprobs.gather(1, tokens[:, None])[:, 0].double())
-            if top_n:
-                top = logprobs.topk(top_n)
-                rows_out += [*top.values.double().T, *top.indices.double().T]
+        if logprobs is not None and n is not None:  # logprobs ride along in the same transfer
+            rows_out += logprob_columns(logprobs, tokens, n)
         host = torch.stack(rows_out).cpu().numpy()  # the step's one device->host transfer
         now = time.perf_counter()
         slots = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.array(
@@ -184,7 +178,7 @@ class Batch:
                 seq.first_token_time = now
             seq.output_token_ids.append(tok)
         if len(host) > 2:
-            _record_logprobs(seqs, host[2:], top_n)
+            record_logprobs(seqs, host[2:], n)
         finished = set(np.flatnonzero(host[1]).tolist())
         text = self.h_text[slots]
         if text.any():
@@ -227,59 +221,6 @@ class Batch:
         for i, s in enumerate(self.seqs):
             self.row_of[id(s)] = i
         self._count_features(gone, -1)
-
-    # -- statistics ---------------------------------------------------------------------------
-
-    def _start_stats(self, seqs: list[Sequence]) -> None:
-        if self.stats is None:
-            self.stats = BatchStats(rows=0, max_prompt_len=0, max_new_tokens=0, reserved_tokens=0,
-                                    prompt_tokens=0, padded_prompt_tokens=0)
-            self.started = time.perf_counter()
-            self._all = {}
-        st = self.stats
-        fresh = [s for s in seqs if id(s) not in self._all]
-        st.rows += len(fresh)
-        st.peak_rows = max(st.peak_rows, self.num_rows + len(seqs))
-        if fresh:
-            st.max_prompt_len = max(st.max_prompt_len, *(s.num_prompt_tokens for s in fresh))
-            st.max_new_tokens = max(st.max_new_tokens, *(s.params.max_tokens for s in fresh))
-        st.prompt_tokens += sum(s.num_prompt_tokens for s in fresh)
-        st.cached_prompt_tokens += sum(s.num_cached_tokens or 0 for s in fresh)
-        for s in seqs:
-            self._all[id(s)] = s
-
-    def count_pass(self, plan, used_tokens: int, prefill_tokens: int) -> None:
-        """A forward pass ran: its tokens, and the KV tokens in use after it."""
-        st = self.stats
-        decode_rows = sum(1 for c in plan.chunks if c.count == 1 and c.start >= c.seq.num_prompt_tokens)
-        if decode_rows == len(plan.chunks):
-            st.decode_steps += 1
-        else:
-            st.prefill_steps += 1
-        st.computed_rows += decode_rows
-        st.padded_prompt_tokens += prefill_tokens
-        st.reserved_tokens = max(st.reserved_tokens, used_tokens)
-        st.preemptions += len(plan.preempted)
-
-    def finish_stats(self) -> BatchStats:
-        """Closes the statistics of the rows that went through since the batch was last empty."""
-        st, self.stats = self.stats, None
-        st.generated_tokens = sum(s.num_output_tokens for s in self._all.values())
-        st.seconds = time.perf_counter() - self.started
-        return st
-
-
-def _record_logprobs(seqs: list[Sequence], host: np.ndarray, top_n: int) -> None:
-    """Rows that asked for logprobs: the chosen token's and their top-N, from the step's
-    transfer (host rows: chosen, then top_n values, then top_n token ids)."""
-    chosen, values, ids = host[0], host[1:1 + top_n], host[1 + top_n:].astype(np.int64)
-    for i, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        if n is None:
-            continue
-        entry = {seq.output_token_ids[-1]: float(chosen[i])}
-        entry.update(zip(ids[:n, i].tolist(), values[:n, i].tolist()))
-        seq.logprobs = (seq.logprobs or []) + [entry]
 
 
 def _features(seq: Sequence) -> list[str]:

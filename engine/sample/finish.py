@@ -1,8 +1,8 @@
 """When a row is done and what it says: stop strings, finish reasons, the final text."""
 from __future__ import annotations
 
-from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer, find_stop
+from engine.core.sequence import Sequence
+from engine.models.tokenizer import Tokenizer, find_stop
 
 
 def stop_string_hits(tokenizer: Tokenizer, rows: list[tuple[int, Sequence]]) -> set[int]:

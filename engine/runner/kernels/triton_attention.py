@@ -1,10 +1,10 @@
-"""Triton kernels for attention over the paged KV pool: the CUDA path of `engine.attention`.
+"""Triton kernels for attention over the paged KV pool: the CUDA path of `engine.runner.attention`.
 
 Both read keys and values in place from the pool, (num_blocks, Hkv, block_size, D), through
 each row's block table; nothing is gathered into a contiguous copy and K/V are never repeated
-for GQA. fp8 pools (`kv_cache_dtype: fp8`, unscaled e4m3 as `engine.kv_cache` stores them) are
+for GQA. fp8 pools (`kv_cache_dtype: fp8`, unscaled e4m3 as `engine.runner.kv_cache` stores them) are
 converted to the query's dtype on load. Scores are float32; soft-capping and sliding windows
-follow `engine.attention.reference_token_attention` exactly (a token at ctx - 1 sees positions
+follow `engine.runner.attention.reference_token_attention` exactly (a token at ctx - 1 sees positions
 [ctx - window, ctx)).
 
 - `paged_decode`: one program per (token, KV head, KV segment). The G query heads of a KV head

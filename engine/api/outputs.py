@@ -88,16 +88,12 @@ class BatchStats:
     """Most rows running at once; <= max_num_seqs."""
     prefill_steps: int = 0
     """Forward passes that brought new rows in."""
-    resizes: int = 0
-    """Always 0: the paged pool is allocated once and never resized (kept for readers of older stats)."""
     generated_tokens: int = 0
     """Tokens kept in the outputs."""
     decode_steps: int = 0
     """Forward passes after the prefill."""
     computed_rows: int = 0
     """Row-steps computed in decode (finished rows leave at once, so these are all live)."""
-    compactions: int = 0
-    """Always 0: rows take and free blocks, nothing is compacted (kept for readers of older stats)."""
     preemptions: int = 0
     """Rows preempted (blocks freed, recomputed later) because the pool ran out."""
     seconds: float = 0.0
@@ -107,3 +103,20 @@ class BatchStats:
     def prefix_hit_rate(self) -> float:
         """Share of prompt tokens served by the prefix cache."""
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class ChoiceScores:
+    """The scores of one row's choices, in the order given."""
+
+    logprobs: list[float]
+    """Summed log-probability of each choice's tokens after the prompt."""
+    num_tokens: list[int]
+    """Tokens in each choice."""
+    num_prompt_tokens: int
+    """Tokens in the prompt."""
+    error: str | None = None
+    """Why the row could not be scored (then logprobs is empty)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (the choices share the prompt's blocks: none
+    of them reads it again)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.config import _field_docs
-from engine.structured_outputs import StructuredOutputsParams
+from engine.api.config import _field_docs
+from engine.api.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128
 """Most samples one request may ask for (n)."""

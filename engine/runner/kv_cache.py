@@ -1,9 +1,9 @@
 """The KV pool: one pair of block buffers per layer, allocated once, addressed through block tables.
 
 Each layer's keys and values live in (num_blocks, kv_heads, block_size, head_dim) buffers.
-Which row owns which block is `engine.block_pool.BlockPool`'s business; here a forward pass
+Which row owns which block is `engine.core.block_pool.BlockPool`'s business; here a forward pass
 only says, per token, which slot (block * block_size + offset) its keys and values go to
-(`PassMetadata.slot_mapping`), and attention (`engine.attention`) reads rows through their
+(`PassMetadata.slot_mapping`), and attention (`engine.runner.attention`) reads rows through their
 block tables. The buffers are allocated on the first forward pass (when the layers' head
 counts and sizes are known) and never again.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from engine.attention import PassMetadata
+from engine.runner.attention import PassMetadata
 
 
 class PagedLayer(CacheLayerMixin):
@@ -66,7 +66,7 @@ class PagedLayer(CacheLayerMixin):
 class PagedKVCache(Cache):
     """`num_blocks` blocks of `block_size` token slots for every decoder layer, and one spare
     block (`scratch_block`) that no row owns: the padding rows of a replayed decode graph write
-    their keys and values there (engine.cuda_graph)."""
+    their keys and values there (engine.runner.cuda_graph)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
         self.num_blocks = num_blocks

@@ -5,11 +5,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import Completion, Sample
-from engine.sampling_params import SamplingParams
+from engine.api.outputs import Completion, Sample
+from engine.api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.tokenizer import StopStringChecker
+    from engine.models.tokenizer import StopStringChecker
 
 
 class Status(enum.Enum):
@@ -64,7 +64,7 @@ class Sequence:
     sample_index: int = 0
     """Which of its request's n samples this row is."""
     matcher: object | None = None
-    """xgrammar matcher of a constrained row (engine.grammar); None otherwise."""
+    """xgrammar matcher of a constrained row (engine.sample.grammar); None otherwise."""
     group: list["Sequence"] = field(default_factory=list)
     """On sample 0: every sample of the request, in order (empty for n = 1)."""
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+from engine.api.errors import PoolExhausted
+
 
 def hash_salt(*parts) -> bytes:
     """The chain's root: whatever changes a block's keys and values besides its tokens."""
@@ -110,7 +112,7 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks (the caller checked num_free); cached free blocks lose their names."""
         if n > len(self.free):
-            raise MemoryError(f"{n} KV blocks asked for, {len(self.free)} free")
+            raise PoolExhausted(f"{n} KV blocks asked for, {len(self.free)} free")
         out = []
         for _ in range(n):
             b, _ = self.free.popitem(last=False)

@@ -1,5 +1,5 @@
 """What a constrained request asks for (vLLM's `StructuredOutputsParams`). No torch, no xgrammar:
-specs and sampling parameters import it anywhere; `engine.grammar` compiles it."""
+specs and sampling parameters import it anywhere; `engine.sample.grammar` compiles it."""
 from __future__ import annotations
 
 import json as _json

@@ -21,8 +21,9 @@ from collections import OrderedDict
 
 import torch
 
-from engine.sequence import Sequence
-from engine.structured_outputs import StructuredOutputsParams
+from engine.api.errors import ConstraintError, GrammarBusy
+from engine.api.structured_outputs import StructuredOutputsParams
+from engine.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,6 @@ def ebnf_literal(text: str) -> str:
     return '"' + text.translate(_EBNF_ESCAPES) + '"'
 
 
-class _Busy(ValueError):
-    """Too many overdue compiles still run: this constraint was not tried."""
-
-
 class GrammarBackend:
     """Compiles constraints for one engine's tokenizer and vocabulary, and steps their matchers."""
 
@@ -106,7 +103,7 @@ class GrammarBackend:
         return sum(g.memory_size_bytes for g in self._compiled.values())
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of `params` (cached); ValueError naming the cause if it is invalid
+        """The compiled grammar of `params` (cached); ConstraintError naming the cause if it is invalid
         or does not compile within `compile_timeout_s`."""
         key = params.key()
         if key in self._compiled:
@@ -114,12 +111,12 @@ class GrammarBackend:
             return self._compiled[key]
         if key in self._failed:
             self._failed.move_to_end(key)
-            raise ValueError(self._failed[key])
+            raise ConstraintError(self._failed[key])
         try:
             grammar = self._compile_within_deadline(params)
-        except _Busy:
+        except GrammarBusy:
             raise  # not the constraint's fault: a later row may compile it
-        except ValueError as exc:
+        except ConstraintError as exc:
             self._remember(self._failed, key, str(exc), FAILED_ENTRIES)
             raise
         self._remember(self._compiled, key, grammar, CACHE_ENTRIES)
@@ -137,8 +134,8 @@ class GrammarBackend:
         xgr = self._xgr()
         self._overdue = [t for t in self._overdue if t.is_alive()]
         if len(self._overdue) >= MAX_OVERDUE:
-            raise _Busy(f"structured_outputs.{params.kind}: not compiled: {len(self._overdue)} earlier constraints "
-                        "are still compiling past their deadline")
+            raise GrammarBusy(f"structured_outputs.{params.kind}: not compiled: {len(self._overdue)} earlier constraints "
+                              "are still compiling past their deadline")
         result: dict = {}
 
         def work():
@@ -153,12 +150,12 @@ class GrammarBackend:
         thread.join(self.compile_timeout_s)
         if thread.is_alive():
             self._overdue.append(thread)
-            raise ValueError(f"structured_outputs.{params.kind}: the grammar did not compile within "
-                             f"{self.compile_timeout_s:g} s (too complex)")
+            raise ConstraintError(f"structured_outputs.{params.kind}: the grammar did not compile within "
+                                  f"{self.compile_timeout_s:g} s (too complex)")
         if "error" in result:
             exc = result["error"]
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"structured_outputs.{params.kind}: {first}") from None
+            raise ConstraintError(f"structured_outputs.{params.kind}: {first}") from None
         return result["grammar"]
 
     def _compile_now(self, xgr, params: StructuredOutputsParams):

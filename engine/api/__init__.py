@@ -1,0 +1,15 @@
+"""What a caller configures, asks for and gets back: the engine's config, sampling and structured-output
+parameters, its outputs and its errors. Plain dataclasses, no torch: job specs import them anywhere."""
+from engine.api.config import CPU_POOL_TOKENS, DEFAULT_MODEL, SCHEDULING_MODES, EngineConfig, auto_dtype
+from engine.api.errors import (AttentionOutsideEngine, BatchFull, ConstraintError, DeviceError, EngineBusy,
+                               EngineError, GrammarBusy, ModelLoadError, PoolExhausted, PoolSizingError, RankError,
+                               one_line)
+from engine.api.outputs import BatchStats, ChoiceScores, Completion, Sample
+from engine.api.sampling_params import MAX_N, SamplingParams
+from engine.api.structured_outputs import KINDS, StructuredOutputsParams
+
+__all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES", "auto_dtype",
+           "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS",
+           "Completion", "Sample", "BatchStats", "ChoiceScores",
+           "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
+           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

@@ -1,0 +1,78 @@
+"""Loads a model directory's causal LM onto its device with the engine's paged attention, after
+refusing, in one line, an architecture that attention cannot run."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from engine.api.config import EngineConfig
+from engine.api.errors import ModelLoadError, one_line
+from engine.models.builtin import quiet_transformers
+from engine.models.files import check_weights, read_config
+
+UNSUPPORTED_MODEL_TYPES = {
+    "bloom": "ALiBi attention", "mpt": "ALiBi attention", "baichuan": "ALiBi attention",
+    "mamba": "recurrent layers", "mamba2": "recurrent layers", "falcon_mamba": "recurrent layers",
+    "jamba": "recurrent layers", "zamba": "recurrent layers", "zamba2": "recurrent layers",
+    "rwkv": "recurrent layers", "recurrent_gemma": "recurrent layers", "xlstm": "recurrent layers",
+    "bamba": "recurrent layers", "falcon_h1": "recurrent layers", "granitemoehybrid": "recurrent layers",
+    "nemotron_h": "recurrent layers", "lfm2": "convolution layers", "qwen3_next": "linear-attention layers",
+    "minimax": "linear-attention layers", "olmo_hybrid": "linear-attention layers",
+}
+"""Architectures whose layers need more than keys and values in a paged pool."""
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def check_architecture(hf_config) -> None:
+    """Refuses, in one line naming it, an architecture the engine's paged attention cannot run."""
+    text = hf_config.get_text_config(decoder=True)
+    kind = UNSUPPORTED_MODEL_TYPES.get(getattr(text, "model_type", ""))
+    if kind is None and (getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi"):
+        kind = "ALiBi attention"
+    other = set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
+    if kind is None and other:
+        kind = f"{', '.join(sorted(other))} layers"
+    if kind is not None:
+        archs = ", ".join(getattr(hf_config, "architectures", None) or [getattr(text, "model_type", "?")])
+        raise ModelLoadError(f"{archs} is not supported: its {kind} do not run on the engine's paged KV attention")
+
+
+def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None):
+    """The causal LM in eval mode on `device`, with the engine's paged attention. A
+    compressed-tensors checkpoint is dequantized as it loads (the engine requantizes it)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runner import attention
+
+    check_weights(model_dir, config.allow_pickle)
+    quiet_transformers()
+    chosen = config.extra.get("attn_implementation")
+    if chosen is not None and chosen != attention.IMPLEMENTATION:
+        raise ModelLoadError(f"engine.extra attn_implementation={chosen!r} cannot be used: the engine runs "
+                             f"attention over its paged KV pool ({attention.IMPLEMENTATION}); remove the key")
+    try:
+        check_architecture(read_config(config, model_dir))
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model config from {model_dir}: {one_line(exc)}") from exc
+    kwargs = {**config.extra, "attn_implementation": attention.register()}
+    if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
+        try:
+            from transformers.utils.quantization_config import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+        except ImportError as exc:
+            raise ModelLoadError(f"{checkpoint_quantization} checkpoint: {one_line(exc)}") from exc
+    try:
+        with warnings.catch_warnings():
+            # transformers warns that the checkpoint's own quantization_config wins over ours,
+            # of which only `dequantize` is read anyway: the intended outcome
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                use_safetensors=None if config.allow_pickle else True, **kwargs)
+    except Exception as exc:
+        what = f"{checkpoint_quantization} checkpoint " if checkpoint_quantization else ""
+        raise ModelLoadError(f"cannot load {what}model from {model_dir}: {one_line(exc)}") from exc
+    return model.to(device).eval()

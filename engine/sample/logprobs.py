@@ -1,0 +1,36 @@
+"""Logprobs of sampled tokens: packed into the step's one device->host transfer, then unpacked
+into each row's {token id: logprob} entries (the chosen token's first, then its top-N)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.core.sequence import Sequence
+
+
+def top_n(seqs: list[Sequence]) -> int | None:
+    """The most logprobs any of `seqs` asks for (None: none asks)."""
+    return max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+
+
+def logprob_columns(logprobs: torch.Tensor, tokens: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """What rides along in the transfer for logprobs (k, V) and sampled tokens (k,): the chosen
+    tokens' logprobs, then n rows of top values and n of their token ids (all float64, (k,))."""
+    columns = [logprobs.gather(1, tokens[:, None])[:, 0].double()]
+    if n:
+        top = logprobs.topk(n)
+        columns += [*top.values.double().T, *top.indices.double().T]
+    return columns
+
+
+def record_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
+    """Appends each row's entry for its newest token, from the transfer's logprob rows (`host`:
+    chosen, then n top values, then n top token ids, one column per row of `seqs`)."""
+    chosen, values, ids = host[0], host[1:1 + n], host[1 + n:].astype(np.int64)
+    for i, seq in enumerate(seqs):
+        want = seq.params.logprobs
+        if want is None:
+            continue
+        entry = {seq.output_token_ids[-1]: float(chosen[i])}
+        entry.update(zip(ids[:want, i].tolist(), values[:want, i].tolist()))
+        seq.logprobs = (seq.logprobs or []) + [entry]

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.api.errors import AttentionOutsideEngine
+from engine.api.errors import AttentionOutsideEngine, one_line
+from engine.runner.kernel_build import KernelBuild, report
 
 log = logging.getLogger(__name__)
 
@@ -186,30 +187,22 @@ _KERNEL: list = []  # [module or None] once tried
 
 
 def _cpu_kernel():
-    """The compiled C++ kernel, or None (compiling failed, or BATCHINFER_CPU_KERNEL=0)."""
-    if _KERNEL:
-        return _KERNEL[0]
-    module = None
-    if os.environ.get("BATCHINFER_CPU_KERNEL", "1") != "0":
-        try:
-            module = load_cpu_kernel()
-        except Exception as exc:  # noqa: BLE001  no compiler, no headers: the reference path still works
-            log.warning("paged attention CPU kernel unavailable (%s: %s); using the reference path "
-                        "(slower decode)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    _KERNEL.append(module)
-    return module
+    """The compiled C++ kernel, or None (it cannot be built here, or BATCHINFER_CPU_KERNEL=0)."""
+    if not _KERNEL:
+        module = None
+        if os.environ.get("BATCHINFER_CPU_KERNEL", "1") != "0":
+            try:
+                module = load_cpu_kernel()
+            except Exception as exc:  # noqa: BLE001  a binary that does not import: the reference path still works
+                report(one_line(exc), None)
+        _KERNEL.append(module)
+    return _KERNEL[0]
 
 
-def load_cpu_kernel():
-    """Compiles (once per machine; torch caches the build) and loads the C++ kernel."""
-    from torch.utils.cpp_extension import load_inline
-
-    source = (Path(__file__).parent / "kernels" / "paged_attention_cpu.cpp").read_text()
-    import hashlib
-
-    tag = hashlib.sha256(source.encode()).hexdigest()[:10]
-    return load_inline(f"batchinfer_paged_attention_{tag}", cpp_sources=source, functions=["paged_attention"],
-                       extra_cflags=["-O3", "-ffast-math", "-march=native"], verbose=False)
+def load_cpu_kernel(wait: bool = False):
+    """The C++ kernel built for this machine and environment (engine.runner.kernel_build), or None:
+    not built yet (the build then starts in the background, or with `wait` runs here) or cannot be."""
+    return KernelBuild(Path(__file__).parent / "kernels" / "paged_attention_cpu.cpp", ("paged_attention",)).load(wait)
 
 
 def register() -> str:

@@ -134,8 +134,8 @@ class GrammarBackend:
         xgr = self._xgr()
         self._overdue = [t for t in self._overdue if t.is_alive()]
         if len(self._overdue) >= MAX_OVERDUE:
-            raise GrammarBusy(f"structured_outputs.{params.kind}: not compiled: {len(self._overdue)} earlier constraints "
-                              "are still compiling past their deadline")
+            raise GrammarBusy(f"structured_outputs.{params.kind}: not compiled: {len(self._overdue)} earlier "
+                              "constraints are still compiling past their deadline")
         result: dict = {}
 
         def work():

@@ -1,6 +1,6 @@
 """What a job is: the spec's schema, the `Job` handed around a run, its output columns and metric
-names. Imports engine.api.config, engine.api.sampling_params and engine.api.structured_outputs only: never the
-engine, torch or Ray."""
+names. Imports the engine's torch-free face (engine.api: config, sampling parameters, structured
+outputs) only: never the engine itself, torch or Ray."""
 from pipeline.errors import SpecError
 from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,
                                    SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,

@@ -3,8 +3,8 @@
 The engine and sampling sections are derived from `EngineConfig` and `SamplingParams`, so
 their defaults and descriptions live in exactly one place. It lives in pipeline/ so that
 `build_processor` validates its config with the same rules; jobs.spec reads YAML into it.
-Validating a spec imports neither torch nor transformers (engine.api.config and
-engine.api.sampling_params are plain dataclasses).
+Validating a spec imports neither torch nor transformers (engine.api's EngineConfig and
+SamplingParams are plain dataclasses).
 """
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def test_every_engine_exception_lives_in_api_errors_and_is_exported_by_engine():
     import engine
     from engine.api import errors
 
-    declared = {n.name for n in ast.parse((ROOT / "engine/api/errors.py").read_text()).body if isinstance(n, ast.ClassDef)}
+    tree = ast.parse((ROOT / "engine/api/errors.py").read_text())
+    declared = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     for name in declared:
         cls = getattr(errors, name)
         assert issubclass(cls, Exception) and getattr(engine, name) is cls and name in engine.__all__

@@ -204,7 +204,7 @@ def test_openai_response_format_per_request(tiny):
 
 def _chat(engine):
     """The tiny engine with a minimal chat template (the builtin tokenizer has none)."""
-    engine.models.tokenizer.hf.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    engine.tokenizer.hf.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     return engine
 
 

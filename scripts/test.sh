@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Sets up (if needed) and runs the whole test suite, slow tests included; prints how long it took.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k parity -x
+# Sets up (if needed) and runs the test suite; prints how long it took.
+# By default the tests marked slow are left out: long scenarios (chaos faults, resumes after a
+# killed driver, `ray job submit`, cron, the shipped configs run whole), each with a fast sibling
+# in the suite. `scripts/test.sh --slow` runs only those, `scripts/test.sh --all` everything;
+# CI (.ci/run) runs both parts. Other arguments go to pytest, e.g. scripts/test.sh -k parity -x
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+marker=(-m "not slow")
+case "${1:-}" in
+    --slow) marker=(-m slow); shift ;;
+    --all) marker=(); shift ;;
+esac
 bash scripts/setup.sh
 bash scripts/setup_airflow.sh
 export TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest ${marker[@]+"${marker[@]}"} "$@"
 code=$?
 set -e
 took=$(( $(date +%s) - started ))

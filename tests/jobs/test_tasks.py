@@ -228,6 +228,7 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
 
 
+@pytest.mark.slow  # its fast sibling: test_openai_batch_on_object_storage checks the same lines through S3
 def test_openai_batch_file_in_and_out(tmp_path):
     write_jsonl(tmp_path / "requests.jsonl", batch_lines())
     args = ("--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--set", "input.format=openai_batch",
@@ -280,7 +281,22 @@ def test_openai_batch_on_object_storage(tmp_path, s3_server):
     check_batch_output(lines, errors)
 
 
-@pytest.mark.parametrize("name", ["chat", "label", "eval", "openai_batch"])
+SHIPPED = ["chat", "label", "eval", "openai_batch"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_task_configs_validate(name, tmp_path, monkeypatch):
+    """The README's examples pass every check of a run (spec, inputs, model, output): the fast
+    sibling of running them whole below."""
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    result = CliRunner().invoke(main, ["validate", f"configs/{name}.yaml", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0 and "ok: " in result.output, result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_task_configs_run(name, tmp_path, monkeypatch):
     """The README's examples work as written (output redirected)."""
     from pathlib import Path

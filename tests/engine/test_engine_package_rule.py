@@ -37,7 +37,7 @@ KERNEL_MODULES = "engine.runner.kernels."
 """Kernel modules a script may reach directly (scripts/compile_kernels.py builds them)."""
 
 KNOWN = modules()
-SCRIPTS = modules(("scripts",)) if (ROOT / "scripts").is_dir() else {}
+SCRIPTS = modules(("scripts",))
 GRAPH = graph({**KNOWN, **SCRIPTS})
 PACKAGES = sorted(MAY_IMPORT)
 

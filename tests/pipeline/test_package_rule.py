@@ -8,11 +8,9 @@ and jobs/ there is no import cycle (imports under TYPE_CHECKING aside) and no mo
 """
 from __future__ import annotations
 
-import ast
-
 import pytest
 
-from import_graph import MAX_LINES, ROOT, find_cycle, graph, modules
+from import_graph import MAX_LINES, ROOT, declared_all, find_cycle, graph, modules
 
 MAY_IMPORT = {
     "errors": set(),
@@ -44,10 +42,7 @@ def test_the_pipeline_has_its_packages_each_with_a_face():
     for package in ("spec", "io", "tasks", "run"):
         face = ROOT / "pipeline" / package / "__init__.py"
         assert face.exists(), face
-        tree = ast.parse(face.read_text())
-        names = [n for n in tree.body if isinstance(n, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
-        assert names, f"{face} declares no __all__"
+        assert declared_all(face), f"{face} declares no __all__"
     assert set(MAY_IMPORT) == {m.split(".")[1] for m in KNOWN if layer(m)}
 
 

@@ -9,16 +9,18 @@ Its packages, each answering one question (imports run down this list's order, n
     distributed/   tensor-parallel ranks and each rank's shard of the weights
     runner/        running the model: loading it, one forward pass over the paged KV pool, its kernels
     sample/        logits to tokens, grammars, logprobs, and the rules that finish a row
+    pooling/       rows to embeddings, class probabilities and scores (encoders packed; decoders paged)
 
-On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess), choice scoring
+On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; embed, classify, score), choice scoring
 (scoring.py) and `builtin:echo`'s stand-in engine (echo.py). Configuration, sampling parameters,
 outputs and errors import without torch; `LLMEngine` and `EchoEngine` (which need torch or the
 tokenizers) are imported on first use, so that job specs can be read anywhere."""
 __version__ = "0.1.0"
 
-from engine.api import (AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, Completion, ConstraintError,
-                        DeviceError, EngineBusy, EngineConfig, EngineError, GrammarBusy, ModelLoadError,
-                        PoolExhausted, PoolSizingError, RankError, Sample, SamplingParams, StructuredOutputsParams,
+from engine.api import (AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
+                        Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
+                        EngineError, GrammarBusy, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
+                        PoolSizingError, RankError, Sample, SamplingParams, ScoringOutput, StructuredOutputsParams,
                         one_line)
 
 def __getattr__(name: str):
@@ -35,6 +37,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "Completion", "Sample",
-           "BatchStats", "ChoiceScores", "EchoEngine", "ECHO_MODEL", "__version__",
+           "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
+           "ClassificationOutput", "ScoringOutput", "EchoEngine", "ECHO_MODEL", "__version__",
            "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
            "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

@@ -12,14 +12,18 @@ import torch
 
 from engine.api.config import CPU_POOL_TOKENS, EngineConfig
 from engine.api.errors import EngineBusy
-from engine.api.outputs import BatchStats, ChoiceScores, Completion
+from engine.api.outputs import BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, ScoringOutput
+from engine.api.pooling import PoolingParams
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
 from engine.core.sequence import Sequence, Status
 from engine.core.stats import StatsCollector
+from engine.models.files import resolve_model_dir
+from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
-from engine.runner.memory import keep_cpu_buffers, profile_pool_blocks
+from engine.pooling import EncoderRunner, Pooler
+from engine.runner.memory import keep_cpu_buffers, kv_bytes_per_token, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch
 from engine.sample.finish import finish_rows
@@ -46,16 +50,6 @@ class Sampled:
     """(k, V) float32 on the device when some row wants logprobs."""
 
 
-def kv_bytes_per_token(runner) -> int:
-    """Keys and values of one token over all layers, from the model's config."""
-    text = runner.model.config.get_text_config(decoder=True)
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", None) or text.n_embd) // heads
-    size = (runner.kv_dtype or runner.dtype).itemsize
-    return 2 * runner.num_layers * kv_heads * head_dim * size
-
-
 def sample_seed(seed: int, j: int) -> int:
     """Sample j's seed: sample 0 keeps the request's, so it equals the n = 1 output."""
     if j == 0:
@@ -74,6 +68,12 @@ class LLMEngine:
         self.config = config if config is not None else EngineConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either an EngineConfig or keyword overrides, not both")
+        self.batch_stats: list[BatchStats] = []  # every batch run so far, in order (pooling: one per call)
+        self.pooling_info = read_pooling_info(self.config)
+        """What the model says about embed, classify and score (engine.models.pooling)."""
+        if self.pooling_info.kind == "encoder":
+            self._start_encoder()
+            return
         self.runner = ModelRunner(self.config)
         if self.runner.device.type == "cpu":
             keep_cpu_buffers()
@@ -98,8 +98,17 @@ class LLMEngine:
         """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
-        self.batch_stats: list[BatchStats] = []
-        """Statistics of every batch run so far, in order."""
+        self.pooler = Pooler(self, self.pooling_info)
+
+    def _start_encoder(self) -> None:
+        """An encoder (BERT, RoBERTa, ModernBERT...): its own packed runner, no KV pool, no sampling."""
+        self.runner = EncoderRunner(self.config, resolve_model_dir(self.config), self.pooling_info)
+        self.tokenizer = Tokenizer(self.runner.hf_tokenizer)
+        self.max_model_len = self.config.max_model_len or self.pooling_info.max_len or CPU_POOL_TOKENS
+        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
+                                                     on_cpu=self.runner.device.type != "cuda")
+        self.cache = self.pool = None
+        self.pooler = Pooler(self, self.pooling_info, encoder=self.runner)
 
     def _prepare(self) -> None:
         """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
@@ -109,7 +118,7 @@ class LLMEngine:
         self.block_size = self.config.block_size
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
-        if self.runner.graphs_supported() and not self.config.enforce_eager:
+        if self.runner.graphs_supported() and not self.config.enforce_eager and self.runner.head == "causal":
             self.runner.enable_graphs(self.config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
@@ -117,7 +126,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
         interpreter exit stop them too."""
-        self.runner.close()
+        if self.cache is not None:
+            self.runner.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -127,14 +137,18 @@ class LLMEngine:
 
     @property
     def pool_tokens(self) -> int:
-        """Token slots of the KV pool (max_batch_tokens as resolved)."""
-        return self.pool.num_blocks * self.block_size
+        """Token slots of the KV pool (max_batch_tokens as resolved); 0 for an encoder (none)."""
+        return self.pool.num_blocks * self.block_size if self.pool is not None else 0
 
     @property
     def memory(self) -> dict:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
         manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
         With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
+        if self.cache is None:  # an encoder: weights only
+            return {"kv_blocks": 0, "block_size": 0, "kv_tokens": 0, "kv_bytes": 0,
+                    "weights_bytes": self.runner.weights_nbytes, "unquantized_weights_bytes": self.runner.weights_nbytes,
+                    "quantization": None, "kv_cache_dtype": self.config.kv_cache_dtype, "tensor_parallel_size": 1}
         per_token = (self.cache.nbytes() // (self.cache.physical_blocks * self.block_size) if self.cache.allocated
                      else kv_bytes_per_token(self.runner))
         kv_bytes = per_token * self.pool_tokens  # the pool's blocks (not the one spare block graphs pad into)
@@ -151,6 +165,8 @@ class LLMEngine:
 
     def _pool_blocks(self) -> int:
         tokens = self.config.max_batch_tokens
+        if tokens is None and self.runner.head != "causal":  # pooling only: what one pass of rows needs
+            return -(-max(self.max_num_batched_tokens, self.max_model_len) // self.block_size) + self.config.max_num_seqs
         if tokens is None and self.runner.device.type == "cuda":
             return profile_pool_blocks(self)
         return max(1, (tokens or CPU_POOL_TOKENS) // self.block_size)  # the pool never exceeds the budget
@@ -169,6 +185,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Tokenizes and queues one request (its n samples); a request that can never run is
         finished with an error. Returns sample 0, whose `group` holds all n when n > 1."""
+        self.pooling_info.check("generate")
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(index=self._next_index, prompt_token_ids=[], params=params, seed=seed)
@@ -204,7 +221,7 @@ class LLMEngine:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def has_unfinished(self) -> bool:
-        return not self.batch.empty or self.scheduler.has_work()
+        return self.cache is not None and (not self.batch.empty or self.scheduler.has_work())
 
     def abort(self, reason: str = "aborted") -> list[Sequence]:
         """Ends every unfinished request with finish_reason "error" and `reason` as its error, and
@@ -309,6 +326,7 @@ class LLMEngine:
         prompts[i]. A text choice after a text prompt is tokenized as part of prompt + choice (its
         tokens are those beyond the prompt's), so write it as it would continue the prompt, e.g.
         with its leading space. One ChoiceScores per row."""
+        self.pooling_info.check("generate")
         if len(prompts) != len(choices):
             raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
         prompt_ids, choice_ids, failed = [], [], {}
@@ -351,6 +369,7 @@ class LLMEngine:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        self.pooling_info.check("generate")
         if self.has_unfinished():
             raise EngineBusy("generate() called while requests from add_request() are still running")
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -361,3 +380,20 @@ class LLMEngine:
             self.abort(f"generation stopped: {type(exc).__name__}")
             raise
         return [s.to_completion() for s in seqs]
+
+    # -- pooling (engine.pooling) ----------------------------------------------------------------
+
+    def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None
+              ) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
+        return self.pooler.embed(prompts, pooling_params)
+
+    def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None
+                 ) -> list[ClassificationOutput]:
+        """Class probabilities (and the most probable id2label name) per prompt, in input order."""
+        return self.pooler.classify(prompts, pooling_params)
+
+    def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[ScoringOutput]:
+        """One score per pair (one text_1 for every text_2, or two lists): a cross-encoder's, or a cosine."""
+        return self.pooler.score(text_1, text_2, pooling_params)

@@ -4,12 +4,16 @@ from engine.api.config import CPU_POOL_TOKENS, DEFAULT_MODEL, SCHEDULING_MODES, 
 from engine.api.errors import (AttentionOutsideEngine, BatchFull, ConstraintError, DeviceError, EngineBusy,
                                EngineError, GrammarBusy, ModelLoadError, PoolExhausted, PoolSizingError, RankError,
                                one_line)
-from engine.api.outputs import BatchStats, ChoiceScores, Completion, Sample
+from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, Sample,
+                                ScoringOutput)
+from engine.api.pooling import POOLING_TASKS, POOLING_TYPES, PoolerConfig, PoolingParams
 from engine.api.sampling_params import MAX_N, SamplingParams
 from engine.api.structured_outputs import KINDS, StructuredOutputsParams
 
 __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES", "auto_dtype",
            "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS",
            "Completion", "Sample", "BatchStats", "ChoiceScores",
+           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingParams", "PoolerConfig", "POOLING_TYPES",
+           "POOLING_TASKS",
            "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
            "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

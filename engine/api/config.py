@@ -5,6 +5,8 @@ import math
 import warnings
 from dataclasses import dataclass, field, fields
 
+from engine.api.pooling import PoolerConfig
+
 SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -75,6 +77,8 @@ class EngineConfig:
     """Tokenizer directory if it differs from the model's."""
     extra: dict = field(default_factory=dict)
     """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
+    pooling: dict | None = None
+    """embed/classify/score: overrides the model's pooling (vLLM's PoolerConfig): {pooling_type: MEAN|CLS|LAST, normalize: true|false}; null = as the model says."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
@@ -108,6 +112,10 @@ class EngineConfig:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.pooling is not None:
+            chosen = PoolerConfig.from_value(self.pooling)
+            self.pooling = {k: v for k, v in (("pooling_type", chosen.pooling_type), ("normalize", chosen.normalize))
+                            if v is not None}
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or 'builtin:<name>'")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")

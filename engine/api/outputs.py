@@ -1,4 +1,5 @@
-"""What the engine hands back: one Completion per request, and per-batch statistics."""
+"""What the engine hands back: one Completion per request (an EmbeddingOutput, ClassificationOutput
+or ScoringOutput per pooling row), and per-batch statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -120,3 +121,41 @@ class ChoiceScores:
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache (the choices share the prompt's blocks: none
     of them reads it again)."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """One row's embedding (`embed`), in input order."""
+
+    embedding: list[float]
+    """The pooled vector (normalised and cut to `dimensions` as asked); [] when the row failed."""
+    num_prompt_tokens: int
+    """Tokens the model read (after truncate_prompt_tokens); 0 when the row could not be tokenized."""
+    error: str | None = None
+    """Why the row failed; else None."""
+
+
+@dataclass
+class ClassificationOutput:
+    """One row's class probabilities (`classify`), in input order."""
+
+    probs: list[float]
+    """One per label, in the model's label order (softmax; raw logits with use_activation=False)."""
+    label: str | None
+    """The id2label name of the most probable label; None when the row failed."""
+    num_prompt_tokens: int = 0
+    """Tokens the model read."""
+    error: str | None = None
+    """Why the row failed; else None."""
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (`score`), in input order."""
+
+    score: float | None
+    """A cross-encoder's sigmoid score, or the cosine similarity of two embeddings; None when the pair failed."""
+    num_prompt_tokens: int = 0
+    """Tokens the model read for the pair."""
+    error: str | None = None
+    """Why the pair failed; else None."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import torch
+
 from engine.api.config import EngineConfig
 from engine.api.errors import ModelLoadError, one_line
 from engine.models.builtin import quiet_transformers
@@ -37,10 +39,23 @@ def check_architecture(hf_config) -> None:
         raise ModelLoadError(f"{archs} is not supported: its {kind} do not run on the engine's paged KV attention")
 
 
-def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None):
-    """The causal LM in eval mode on `device`, with the engine's paged attention. A
-    compressed-tensors checkpoint is dequantized as it loads (the engine requantizes it)."""
-    from transformers import AutoModelForCausalLM
+def model_head(hf_config) -> str:
+    """What sits on the decoder: causal (an LM head), classifier (*ForSequenceClassification's
+    score) or base (none: a decoder embedder saved without its head)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "classifier"
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+        return "base"
+    return "causal"
+
+
+def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None,
+               head: str = "causal"):
+    """The decoder (with its LM head, classification head, or none: `head`) in eval mode on
+    `device`, with the engine's paged attention. A compressed-tensors checkpoint is dequantized
+    as it loads (the engine requantizes it)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from engine.runner import attention
 
@@ -69,10 +84,33 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
             # transformers warns that the checkpoint's own quantization_config wins over ours,
             # of which only `dequantize` is read anyway: the intended outcome
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model = AutoModelForCausalLM.from_pretrained(
+            cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
+                   "base": AutoModel}[head]
+            model = cls.from_pretrained(
                 model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
                 use_safetensors=None if config.allow_pickle else True, **kwargs)
     except Exception as exc:
         what = f"{checkpoint_quantization} checkpoint " if checkpoint_quantization else ""
         raise ModelLoadError(f"cannot load {what}model from {model_dir}: {one_line(exc)}") from exc
     return model.to(device).eval()
+
+
+def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
+    """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN with
+    its weight prepacked once. With few rows per step, torch's default GEMM streams this matrix
+    slowly: at 10 rows the head took 16 ms of a 41 ms decode step on builtin:llama-42m, packed
+    7 ms (the step 41 -> 32 ms). Costs one extra copy of the head's weight. Returns whether it
+    was packed."""
+    from torch.utils import mkldnn
+
+    head = model.get_output_embeddings()
+    if not packs_head(head, device, dtype):
+        return False
+    model.set_output_embeddings(mkldnn.MkldnnLinear(head, dtype))
+    return True
+
+
+def packs_head(head, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether pack_lm_head packs this head: a plain linear one, float32 on CPU, with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.float32 and type(head) is torch.nn.Linear
+            and torch.backends.mkldnn.is_available())

@@ -113,3 +113,13 @@ def profile_pool_blocks(llm) -> int:
     log.info("KV pool: %d blocks of %d tokens (%.1f GiB) from gpu_memory_utilization=%.2f", num, bs,
              num * per_block / 2**30, llm.config.gpu_memory_utilization)
     return int(num)
+
+
+def kv_bytes_per_token(runner) -> int:
+    """Keys and values of one token over all layers, from the model's config."""
+    text = runner.model.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", None) or text.n_embd) // heads
+    size = (runner.kv_dtype or runner.dtype).itemsize
+    return 2 * runner.num_layers * kv_heads * head_dim * size

@@ -19,32 +19,11 @@ from engine.quantization.methods import check_method, checkpoint_method, quantiz
 from engine.runner.attention import CHUNK_MIN_TOKENS, PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.loader import check_architecture, load_model
+from engine.runner.loader import check_architecture, load_model, model_head, pack_lm_head, packs_head
 from engine.runner.memory import used_before_load
 from engine.runner.rope import rowwise_longrope
 
 log = logging.getLogger(__name__)
-
-
-def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
-    """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN with
-    its weight prepacked once. With few rows per step, torch's default GEMM streams this matrix
-    slowly: at 10 rows the head took 16 ms of a 41 ms decode step on builtin:llama-42m, packed
-    7 ms (the step 41 -> 32 ms). Costs one extra copy of the head's weight. Returns whether it
-    was packed."""
-    from torch.utils import mkldnn
-
-    head = model.get_output_embeddings()
-    if not packs_head(head, device, dtype):
-        return False
-    model.set_output_embeddings(mkldnn.MkldnnLinear(head, dtype))
-    return True
-
-
-def packs_head(head, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pack_lm_head packs this head: a plain linear one, float32 on CPU, with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32 and type(head) is torch.nn.Linear
-            and torch.backends.mkldnn.is_available())
 
 
 class ModelRunner:
@@ -78,15 +57,20 @@ class ModelRunner:
         self.quantization = resolve_method(config.quantization, checkpoint, loads_as, self.device)
         """The method the engine runs its linear layers with (None: the model's dtype)."""
         check_method(self.quantization, self.device)
+        self.head = model_head(hf_config)
+        """causal (an LM head), classifier (a decoder's sequence-classification head) or base (none)."""
+        if self.head != "causal" and self.tensor_parallel_size > 1:
+            raise ModelLoadError(f"{self.head} decoder models (no LM head) run with tensor_parallel_size 1")
         if self.tensor_parallel_size == 1:
-            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint)
+            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
             self._quantize(self.model)
         else:
             self.model = self._load_shard(config, hf_config, checkpoint)
         text_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = text_config.num_hidden_layers
-        head = self.model.get_output_embeddings()
-        self.vocab_size: int = getattr(head, "out_features", None) or head.weight.shape[0]
+        head = self.model.get_output_embeddings() if self.head == "causal" else None
+        self.vocab_size: int = (getattr(head, "out_features", None) or head.weight.shape[0] if head is not None
+                                else text_config.vocab_size)
         self.max_position_embeddings: int | None = (
             getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None))
         self.sliding_window: int | None = getattr(text_config, "sliding_window", None)
@@ -172,7 +156,7 @@ class ModelRunner:
 
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config (as transformers' generate uses them)."""
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(self.model.config, "eos_token_id", None)
         if eos is None:
@@ -290,6 +274,26 @@ class ModelRunner:
         if index is not None and not self._takes_logits_to_keep:
             logits = logits[index]
         return logits.float()
+
+    @torch.inference_mode()
+    def hidden_states(self, cache: PagedKVCache, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Final hidden states (T, H), float32, of every token of `chunks` (their keys and values
+        written to the pool as any pass writes them): the decoder's body without its head."""
+        if self.ranks is not None:
+            raise ModelLoadError("pooling runs with tensor_parallel_size 1")
+        plan = self.plan(chunks, cache.block_size, all_logits=True)
+        meta = self._device_metadata(plan)
+        if self.longrope is not None:
+            self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
+                plan.long_tokens).to(self.device)
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
+                  "position_ids": torch.from_numpy(plan.positions[None]).to(self.device)}
+        cache.meta = meta
+        try:
+            out = self.model.base_model(input_ids=torch.tensor([plan.tokens], device=self.device), **kwargs)
+        finally:
+            cache.meta = None
+        return out.last_hidden_state[0].float()
 
     def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
                      position_ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

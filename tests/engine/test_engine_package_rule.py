@@ -25,6 +25,7 @@ MAY_IMPORT = {
     "distributed": {"api"},
     "runner": {"api", "core", "models", "quantization", "distributed"},
     "sample": {"api", "core", "models"},
+    "pooling": {"api", "core", "models", "runner"},
 }
 """The engine packages each package may import, besides itself; the top (llm_engine.py, scoring.py,
 echo.py and the face) may import any of them."""

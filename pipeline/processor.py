@@ -80,7 +80,7 @@ class RowWorker(EngineActor):
         rows = batch.to_pylist()
         ids = [row_id(row) for row in rows]
         results = self.tasks.run(rows, ids, [None] * len(rows))
-        return output_table(self.spec, rows, ids, results)
+        return output_table(self.spec, rows, ids, results, self.tasks.embedding_width)
 
 
 class RowPrompts(PromptBuilder):

@@ -213,5 +213,9 @@ def read_pooling_info(config) -> PoolingInfo:
     """PoolingInfo of config.model (resolved as the engine loads it), config.pooling applied."""
     from engine.models.files import resolve_model_dir
 
-    model_dir = resolve_model_dir(config)
-    return pooling_info(model_dir, _json(model_dir / "config.json"), config.pooling)
+    return model_pooling_info(resolve_model_dir(config), config.pooling)
+
+
+def model_pooling_info(model_dir: Path, override: dict | None = None) -> PoolingInfo:
+    """PoolingInfo of a resolved model directory (config files only: no weights needed)."""
+    return pooling_info(model_dir, _json(model_dir / "config.json"), override)

@@ -11,7 +11,7 @@ from pipeline.run.metrics import write_metrics
 from pipeline.run.openai_files import write_batch_files
 from pipeline.run.sample_metrics import SampleMetrics
 from pipeline.run.report import PartTotals, usage
-from pipeline.spec import Job, JobSpec
+from pipeline.spec import Job, JobSpec, reports_metrics
 
 
 def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
@@ -19,7 +19,7 @@ def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
     one would): metrics.json for task eval; output.jsonl and errors.jsonl for openai_batch.
     Returns what the manifest says about them."""
     extra = {}
-    if spec.task == "eval":
+    if reports_metrics(spec):
         ev, samples = spec.eval, None
         if spec.sampling.n > 1:
             samples = SampleMetrics(ev.metrics, spec.sampling.n, ev.k, reference_column=ev.reference_column,

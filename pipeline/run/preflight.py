@@ -34,7 +34,7 @@ def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
     absent = [c for c in needed if c not in columns]
     if columns and absent:
         raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
-    tokenizer = check_model(spec.engine_config())
+    tokenizer = check_model(spec.engine_config(), spec.task)
     if builder.chat and not getattr(tokenizer, "chat_template", None):
         raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
                        "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
@@ -76,24 +76,28 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
     inp = spec.input
     if inp.format == "openai_batch":
         return ["custom_id", "body"]
-    needed = builder.columns + ([inp.id_column] if inp.id_column else [])
+    columns = [spec.score.text_1_column, spec.score.text_2_column] if spec.task == "score" else builder.columns
+    needed = columns + ([inp.id_column] if inp.id_column else [])
     if spec.task in ("label", "eval") and spec.label.choices_column:
         needed.append(spec.label.choices_column)
-    if spec.task == "eval":
+    if spec.task in ("eval", "classify"):
         needed += [c for c in (spec.eval.reference_column, spec.eval.group_column) if c]
     return needed
 
 
-def check_model(config: EngineConfig):
-    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights and
-    loads its tokenizer (no weights). Returns the tokenizer."""
+def check_model(config: EngineConfig, task: str = "generate"):
+    """Resolves the model (a Hub model's config and tokenizer files only), checks its weights,
+    that it can serve `task` (a classifier cannot generate, an embedder cannot classify), and loads
+    its tokenizer (no weights). Returns the tokenizer."""
     from engine import ECHO_MODEL, EchoEngine  # the engine's modules import torch: only when checked
-    from engine.models import check_model_files, load_tokenizer
+    from engine.models import check_model_files, load_tokenizer, model_pooling_info
 
     if config.model == ECHO_MODEL:
         return EchoEngine(config).tokenizer.hf
     try:
-        return load_tokenizer(config, check_model_files(config))
+        path = check_model_files(config)
+        model_pooling_info(path, config.pooling).check("generate" if task in ("label", "eval") else task)
+        return load_tokenizer(config, path)
     except (ModelLoadError, ValueError) as exc:
         message = str(exc)  # Hub errors name the id already
         raise JobError(message if config.model in message else f"model {config.model}: {message}") from None

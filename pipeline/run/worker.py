@@ -100,7 +100,8 @@ class ShardWorker(EngineActor):
         results, budgets = self._run_tasks(rows, ids, errors)
         engine = time.perf_counter()
         lines = self.output.format == "openai_batch"  # one line per request, with its n choices
-        table = self._openai_lines(rows, ids, results) if lines else output_table(self.spec, rows, ids, results)
+        table = (self._openai_lines(rows, ids, results) if lines
+                 else output_table(self.spec, rows, ids, results, self.tasks.embedding_width))
         cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
         counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,

@@ -7,6 +7,7 @@ from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LAB
                                    score_column)
 from pipeline.spec.fingerprint import ADDED_FIELDS
 from pipeline.spec.job import Job
+from pipeline.spec.pooling import POOLING_TASKS, EmbedSpec, ScoreSpec, reports_metrics
 from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, schema_file_refs
 from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
                                   field_reference, validate)
@@ -14,4 +15,5 @@ from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, Outpu
 __all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",
            "SCHEMA_FILE_FIELDS", "SCORE_PREFIX", "EvalSpec", "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec",
            "SpecError", "StructuredOutputsSpec", "WorkersSpec", "check_metric_names", "check_metrics",
-           "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate"]
+           "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate",
+           "POOLING_TASKS", "EmbedSpec", "ScoreSpec", "reports_metrics"]

@@ -22,6 +22,10 @@ FIELDS_COLUMNS = ("label", "label_fields")
 """Columns of a label (or eval) task with label.json_schema: the object as JSON text, and a struct of
 its top-level properties."""
 
+POOLING_COLUMNS = {"embed": ["embedding"], "classify": ["class_label", "class_probs"], "score": ["score"]}
+"""Columns of the pooling tasks: a fixed-size list<float32> embedding, a label and its probabilities,
+a float64 score."""
+
 INCOMPLETE = "structured output incomplete: max_tokens reached"
 """The error of a constrained row cut by max_tokens before its structure closed (its finish_reason
 stays "length"): it counts as a failed row."""
@@ -58,7 +62,8 @@ def output_columns(spec: JobSpec) -> list[str]:
             names += FIELDS_COLUMNS
         elif label.label_regex:
             names.append("label")
-    if spec.task == "eval":
+    names += POOLING_COLUMNS.get(spec.task, [])
+    if spec.task == "eval" or (spec.task == "classify" and spec.eval.reference_column):
         names += [score_column(m) for m in spec.eval.metrics]
     return names
 

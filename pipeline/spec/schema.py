@@ -19,6 +19,7 @@ from engine.api import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
 from pipeline.spec.fingerprint import fingerprint
+from pipeline.spec.pooling import EmbedSpec, ScoreSpec, check_pooling
 from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema
 
 
@@ -174,9 +175,10 @@ class JobSpec(_Section):
     model: str = Field(DEFAULT_MODEL, description="Hugging Face model id (org/name, from the hub cache or "
                        "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
                        "gs://...) or builtin:tiny. An existing local path wins over an id of the same shape.")
-    task: Literal["generate", "label", "eval"] = Field(
+    task: Literal["generate", "label", "eval", "embed", "classify", "score"] = Field(
         "generate", description="generate = text per row; label = a label per row (by choice scoring or "
-        "label_regex); eval = generate (or label) and score against a reference, with metrics.json.")
+        "label_regex); eval = generate (or label) and score against a reference, with metrics.json; embed = an "
+        "embedding per row; classify = class label and probabilities per row; score = a score per text pair.")
     input: InputSpec = Field(description="Where the prompts come from.")
     output: OutputSpec = Field(description="Where the results go.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Generation engine settings.")
@@ -184,7 +186,9 @@ class JobSpec(_Section):
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
     report: ReportSpec = Field(default_factory=ReportSpec, description="Cost accounting.")
     label: LabelSpec = Field(default_factory=LabelSpec, description="task: label (and eval on choices).")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="task: eval.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="task: eval (and classify's accuracy).")
+    embed: EmbedSpec = Field(default_factory=EmbedSpec, description="task: embed.")
+    score: ScoreSpec = Field(default_factory=ScoreSpec, description="task: score.")
     max_error_rate: float = Field(
         0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
     seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
@@ -246,6 +250,7 @@ def check_task(spec: JobSpec) -> None:
     label, ev, inp = spec.label, spec.eval, spec.input
     labels = bool(label.choices or label.choices_column or label.label_regex or label.json_schema is not None)
     check_structured(spec)
+    check_pooling(spec)
     if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
         raise ValueError("label.choices: give at least one non-empty choice")
     if label.choices and label.choices_column:
@@ -269,7 +274,7 @@ def check_task(spec: JobSpec) -> None:
             check_metrics(ev.metrics, ev.answer_regex)
         except ValueError as exc:
             raise ValueError(f"eval.metrics: {exc}") from None
-        if "accuracy" in ev.metrics and not labels:
+        if "accuracy" in ev.metrics and not labels and spec.task == "eval":
             raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
                              "label.label_regex")
     produced = set(output_columns(spec)) | {"id"}

@@ -56,6 +56,14 @@ class RowResult:
     above are sample 0's, as in engine.Completion); None otherwise."""
     num_cached_tokens: int = 0
     """Prompt tokens the engine found in its prefix cache for this row (or sample)."""
+    embedding: list[float] | None = None
+    """task embed: the row's embedding; None when the row failed."""
+    class_label: str | None = None
+    """task classify: the id2label name of the most probable class."""
+    class_probs: list[float] | None = None
+    """task classify: the probability of each class, in the model's label order."""
+    score: float | None = None
+    """task score: the pair's score (a cross-encoder's, or the cosine of two embeddings)."""
 
     def sample_results(self, n: int = 1) -> list[RowResult]:
         """The results of the row's output rows: its samples, or, for a row that drew none (it

@@ -17,22 +17,28 @@ if TYPE_CHECKING:
 _SCORES = pa.list_(pa.float64())
 COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
                 "finish_reason": pa.string(), "error": pa.string(), SAMPLE_INDEX: pa.int64(), "label": pa.string(),
-                "label_probs": _SCORES, "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES}
+                "label_probs": _SCORES, "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES,
+                "class_label": pa.string(), "class_probs": pa.list_(pa.float32()), "score": pa.float64()}
 """Arrow types of the columns the task writes (score_<metric> columns are float64), so that
 every part of a job has the same schema, whatever its rows held."""
 
 
-def column_type(name: str, spec: JobSpec | None = None) -> pa.DataType | None:
-    """The Arrow type of output column `name`; label_fields' comes from the spec's label.json_schema."""
+def column_type(name: str, spec: JobSpec | None = None, width: int | None = None) -> pa.DataType | None:
+    """The Arrow type of output column `name`; label_fields' comes from the spec's label.json_schema,
+    embedding's width from the engine (or embed.dimensions)."""
     if name.startswith(SCORE_PREFIX):
         return pa.float64()
+    if name == "embedding":
+        return pa.list_(pa.float32(), width) if width else pa.list_(pa.float32())
     if name == "label_fields" and spec is not None and isinstance(spec.label.json_schema, dict):
         return fields_type(spec.label.json_schema)
     return COLUMN_TYPES.get(name)
 
 
-def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[RowResult]) -> pa.Table:
-    """The output rows: id, the passed-through input columns, then the task's columns."""
+def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[RowResult],
+                 width: int | None = None) -> pa.Table:
+    """The output rows: id, the passed-through input columns, then the task's columns (`width`:
+    the embedding's, so every part of an embed job has one fixed-size list type)."""
     keep = spec.input.columns
     if keep is not None:  # eval needs its reference and group columns in the committed parts
         keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
@@ -49,9 +55,10 @@ def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[
             out.append(record)
     if not out:
         return pa.table({"id": pa.array([], pa.string()),
-                         **{name: pa.array([], column_type(name, spec)) for name in produced}})
+                         **{name: pa.array([], column_type(name, spec, width)) for name in produced}})
     names = list(dict.fromkeys(name for record in out for name in record))
-    return pa.table({name: _column([record.get(name) for record in out], column_type(name, spec)) for name in names})
+    return pa.table({name: _column([record.get(name) for record in out], column_type(name, spec, width))
+                     for name in names})
 
 
 def _column(values: list, dtype: pa.DataType | None = None) -> pa.Array:

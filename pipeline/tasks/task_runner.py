@@ -20,9 +20,9 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.api import SamplingParams
+from engine.api import PoolingParams, SamplingParams
 from engine.api import StructuredOutputsParams
-from pipeline.spec import INCOMPLETE
+from pipeline.spec import INCOMPLETE, POOLING_TASKS
 from pipeline.tasks import scoring
 from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
@@ -68,12 +68,21 @@ class TaskRunner:
         self.scoring = bool(self.choices or self.choices_column)
         self.label_regex = re.compile(label.label_regex) if labeling and label.label_regex else None
         self.labels = self.scoring or self.label_regex is not None or self.label_schema is not None
+        self.pooling = self.task in POOLING_TASKS
+        info = getattr(engine, "pooling_info", None)
+        self.embedding_width = (spec.embed.dimensions or info.width) if self.task == "embed" and info else None
+        """task embed: the embedding column's fixed width (embed.dimensions, or the model's)."""
 
     # -- rows -> records ------------------------------------------------------------------------
 
     def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[RowResult]:
         """One result per row, in order; `errors[i]` set = the row failed before this stage."""
         results: list[RowResult | None] = [None] * len(rows)
+        if self.pooling:
+            self._pool(rows, errors, results)
+            if self.task == "classify" and self.spec.eval.reference_column:
+                self._add_scores(rows, [r or RowResult(error=e) for r, e in zip(results, errors)])
+            return [r or RowResult(error=e) for r, e in zip(results, errors)]
         todo, prompts, params, requests = self.prepare(rows, ids, errors)
         if self.scoring:
             self._score(rows, todo, prompts, errors, results)
@@ -136,6 +145,53 @@ class TaskRunner:
             params.append(sp)
             requests.append(req)
         return todo, prompts, params, requests
+
+    # -- embed, classify, score ------------------------------------------------------------------
+
+    def _pool(self, rows, errors, results) -> None:
+        """Each row's embedding, class or pair score; a row the engine refuses keeps its error."""
+        todo, inputs = [], []
+        for i, row in enumerate(rows):
+            if errors[i] is not None:
+                continue
+            if self.task == "score":
+                names = (self.spec.score.text_1_column, self.spec.score.text_2_column)
+                pair = [row.get(n) for n in names]
+                if not all(isinstance(t, str) for t in pair):
+                    errors[i] = f"score: columns {names[0]!r} and {names[1]!r} must hold text, got {pair!r}"[:300]
+                    continue
+                inputs.append(pair)
+            else:
+                prompt, errors[i] = self.prompts.build(row)
+                if prompt is None:
+                    continue
+                if isinstance(prompt, list):  # chat messages: a pooling model has no chat turn to answer
+                    prompt = self.engine.tokenizer.encode_chat(prompt)
+                inputs.append(prompt)
+            todo.append(i)
+        if not todo:
+            return
+        if self.task == "embed":
+            outs = self.engine.embed(inputs, PoolingParams(dimensions=self.spec.embed.dimensions,
+                                                           normalize=self.spec.embed.normalize))
+        elif self.task == "classify":
+            outs = self.engine.classify(inputs)
+        else:
+            outs = self.engine.score([a for a, _ in inputs], [b for _, b in inputs])
+        for i, out in zip(todo, outs):
+            if out.error is not None:
+                errors[i] = out.error
+                results[i] = RowResult(num_prompt_tokens=out.num_prompt_tokens, error=out.error, ran=True)
+                continue
+            result = RowResult("", out.num_prompt_tokens, 0, "stop", None, ran=True)
+            if self.task == "embed":
+                result.embedding = out.embedding
+            elif self.task == "classify":
+                result.class_label = result.label = out.label
+                result.class_probs = out.probs
+            else:
+                result.score = out.score
+            results[i] = result
 
     # -- label ----------------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
     """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
     pooling: dict | None = None
-    """embed/classify/score: overrides the model's pooling (vLLM's PoolerConfig): {pooling_type: MEAN|CLS|LAST, normalize: true|false}; null = as the model says."""
+    """embed/classify/score: overrides the model's pooling (vLLM's PoolerConfig): {pooling_type: MEAN, CLS or LAST; normalize: true or false}; null = as the model says."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",

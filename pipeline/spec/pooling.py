@@ -33,12 +33,12 @@ def check_pooling(spec: JobSpec) -> None:
     """Rules of the pooling tasks (one message naming the keys involved)."""
     pooling = spec.task in POOLING_TASKS
     if not pooling:
-        if spec.embed.model_fields_set or spec.score.model_fields_set:
+        if spec.embed != EmbedSpec() or spec.score != ScoreSpec():
             raise ValueError(f"embed and score sections apply to tasks embed and score, not task {spec.task}")
         return
-    if spec.task != "embed" and spec.embed.model_fields_set:
+    if spec.task != "embed" and spec.embed != EmbedSpec():
         raise ValueError(f"embed.*: task {spec.task} makes no embeddings; drop the embed section")
-    if spec.task != "score" and spec.score.model_fields_set:
+    if spec.task != "score" and spec.score != ScoreSpec():
         raise ValueError(f"score.*: task {spec.task} scores no pairs; drop the score section")
     if spec.sampling.n > 1:
         raise ValueError(f"sampling.n: task {spec.task} draws no samples; drop it")

@@ -136,9 +136,9 @@ def _counted_openai(table: pa.Table) -> CommitRecord:
         if obj["error"] is not None:
             errors.append(obj["error"]["message"])
         else:
-            usage = obj["response"]["body"]["usage"]
-            prompt += usage["prompt_tokens"]
-            generated += usage["completion_tokens"]
+            usage = obj["response"]["body"]["usage"]  # a pooling line's has no completion tokens
+            prompt += usage.get("prompt_tokens", usage.get("total_tokens", 0))
+            generated += usage.get("completion_tokens", 0)
     return CommitRecord(rows=table.num_rows, errors=len(errors), prompt_tokens=prompt, generated_tokens=generated,
                         error_samples=errors[:3])
 

@@ -34,7 +34,8 @@ def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
     absent = [c for c in needed if c not in columns]
     if columns and absent:
         raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
-    tokenizer = check_model(spec.engine_config(), spec.task)
+    # OpenAI Batch lines each say what they ask (a line the model cannot serve fails alone)
+    tokenizer = check_model(spec.engine_config(), None if spec.input.format == "openai_batch" else spec.task)
     if builder.chat and not getattr(tokenizer, "chat_template", None):
         raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
                        "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
@@ -85,7 +86,7 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
     return needed
 
 
-def check_model(config: EngineConfig, task: str = "generate"):
+def check_model(config: EngineConfig, task: str | None = "generate"):
     """Resolves the model (a Hub model's config and tokenizer files only), checks its weights,
     that it can serve `task` (a classifier cannot generate, an embedder cannot classify), and loads
     its tokenizer (no weights). Returns the tokenizer."""
@@ -96,7 +97,8 @@ def check_model(config: EngineConfig, task: str = "generate"):
         return EchoEngine(config).tokenizer.hf
     try:
         path = check_model_files(config)
-        model_pooling_info(path, config.pooling).check("generate" if task in ("label", "eval") else task)
+        if task is not None:
+            model_pooling_info(path, config.pooling).check("generate" if task in ("label", "eval") else task)
         return load_tokenizer(config, path)
     except (ModelLoadError, ValueError) as exc:
         message = str(exc)  # Hub errors name the id already

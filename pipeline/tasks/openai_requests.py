@@ -1,7 +1,8 @@
 """OpenAI Batch API request lines: what each line asks for, or why it cannot run.
 
 An input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}. `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
+"body": {...}} (or a pooling line: "/v1/embeddings" | "/v1/score" | "/v1/rerank", parsed by
+pipeline.tasks.openai_pooling). `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
 sampling fields mapped to `engine.SamplingParams` keyword arguments, and either None or a clear
 per-row error. Nothing here raises on bad input: a bad line is a row error, and the job goes on.
 
@@ -31,6 +32,8 @@ import json
 from dataclasses import dataclass, field
 
 from engine.api import MAX_N
+from pipeline.tasks.openai_pooling import KNOWN_FIELDS as POOLING_FIELDS
+from pipeline.tasks.openai_pooling import POOLING_URLS, PoolingRequest, PoolingRequestError, parse_pooling
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -76,6 +79,8 @@ class BatchRequest:
     """Why this line cannot run, or None."""
     unknown: list[str] = field(default_factory=list)
     """Body fields this module does not understand, sorted."""
+    pooling: PoolingRequest | None = None
+    """A /v1/embeddings, /v1/score or /v1/rerank line: what it asks the engine to pool."""
 
     @property
     def is_chat(self) -> bool:
@@ -117,14 +122,22 @@ def _parse_line(obj: dict, req: BatchRequest) -> None:
         raise _RowError(f"unsupported request fields: {', '.join(extra)} (expected custom_id, method, url, body)")
     if obj.get("method") != "POST":
         raise _RowError(f'method must be "POST", got {obj.get("method")!r}')
-    if obj.get("url") not in URLS:
-        raise _RowError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {obj.get('url')!r}")
+    if obj.get("url") not in URLS + POOLING_URLS:
+        raise _RowError(f"url must be one of {', '.join(URLS + POOLING_URLS)}, got {obj.get('url')!r}")
     req.url = obj["url"]
     body = obj.get("body")
     if body is None:
         raise _RowError("body is missing")
     if not isinstance(body, dict):
         raise _RowError(f"body must be a JSON object, got {_kind(body)}")
+    if req.url in POOLING_URLS:
+        req.unknown = sorted(set(body) - POOLING_FIELDS[req.url])
+        req.model = _optional(body, "model", _check_str)
+        try:
+            req.pooling = parse_pooling(req.url, body)
+        except PoolingRequestError as exc:
+            raise _RowError(str(exc)) from None
+        return
     req.unknown = sorted(set(body) - KNOWN_FIELDS[req.url])
     req.model = _optional(body, "model", _check_str)
     if req.is_chat:

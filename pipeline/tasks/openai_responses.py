@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pipeline.tasks.openai_pooling import response_body as pooling_body
 from pipeline.tasks.openai_requests import CHAT_URL, COMPLETIONS_URL, URLS, BatchRequest
 
 if TYPE_CHECKING:
@@ -145,6 +146,13 @@ def output_lines(rows: list[dict], ids: list[str], results: list[RowResult], *, 
             custom_id = row.get("custom_id") if isinstance(row.get("custom_id"), str) else None
             code = GENERATION_ERROR if failed.ran else INVALID_REQUEST
             line = error_line(custom_id if openai_input else row_id, code, failed.error or "", row_id=row_id)
+        elif result.pooled is not None:
+            req = result.request
+            body = pooling_body(req.url, req.pooling, result.pooled, model=req.model or model, created=created,
+                                custom_id=req.custom_id)
+            line = {"id": _line_id(req.custom_id), "custom_id": req.custom_id,
+                    "response": {"status_code": 200, "request_id": _digest("request", req.custom_id), "body": body},
+                    "error": None}
         else:
             req = result.request or request_for(row_id, chat=chat)
             top = req.sampling.get("logprobs", default_logprobs) or 0

@@ -64,6 +64,8 @@ class RowResult:
     """task classify: the probability of each class, in the model's label order."""
     score: float | None = None
     """task score: the pair's score (a cross-encoder's, or the cosine of two embeddings)."""
+    pooled: list | None = None
+    """An OpenAI Batch pooling line that ran: the engine's outputs of its inputs, in order."""
 
     def sample_results(self, n: int = 1) -> list[RowResult]:
         """The results of the row's output rows: its samples, or, for a row that drew none (it

@@ -25,6 +25,7 @@ from engine.api import StructuredOutputsParams
 from pipeline.spec import INCOMPLETE, POOLING_TASKS
 from pipeline.tasks import scoring
 from pipeline.tasks.label_fields import field_values, fields_type
+from pipeline.tasks.openai_pooling import run_lines
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
 from pipeline.tasks.prompts import PromptBuilder
@@ -83,7 +84,10 @@ class TaskRunner:
             if self.task == "classify" and self.spec.eval.reference_column:
                 self._add_scores(rows, [r or RowResult(error=e) for r, e in zip(results, errors)])
             return [r or RowResult(error=e) for r, e in zip(results, errors)]
-        todo, prompts, params, requests = self.prepare(rows, ids, errors)
+        pooled: list[tuple[int, object]] = []  # OpenAI Batch pooling lines: (row, request)
+        todo, prompts, params, requests = self.prepare(rows, ids, errors, pooled)
+        if pooled:
+            self._pool_lines(pooled, errors, results)
         if self.scoring:
             self._score(rows, todo, prompts, errors, results)
         else:
@@ -109,9 +113,11 @@ class TaskRunner:
                             created=created, default_logprobs=self.spec.sampling.logprobs,
                             tokenizer=self.engine.tokenizer)
 
-    def prepare(self, rows, ids, errors):
+    def prepare(self, rows, ids, errors, pooled: list | None = None):
         """Indices of the rows that run, and their prompts (text or token ids), sampling params
-        and OpenAI requests (None for other inputs); sets `errors[i]` of a row that cannot run."""
+        and OpenAI requests (None for other inputs); sets `errors[i]` of a row that cannot run.
+        OpenAI pooling lines go to `pooled` as (row, request)."""
+        refusal = getattr(getattr(self.engine, "pooling_info", None), "refusal", lambda task: None)("generate")
         todo, prompts, params, requests = [], [], [], []
         for i, row in enumerate(rows):
             if errors[i] is not None:
@@ -121,6 +127,11 @@ class TaskRunner:
                 req = parse_request(row)
                 if req.error is None and req.unknown:
                     req.error = unknown_fields_error(req.unknown)
+                if req.error is None and req.pooling is not None and pooled is not None:
+                    pooled.append((i, req))
+                    continue
+                if req.error is None and refusal is not None:
+                    req.error = f"{req.url}: {refusal}"
                 if req.error is not None:
                     errors[i] = req.error
                     continue
@@ -147,6 +158,16 @@ class TaskRunner:
         return todo, prompts, params, requests
 
     # -- embed, classify, score ------------------------------------------------------------------
+
+    def _pool_lines(self, pooled, errors, results) -> None:
+        """OpenAI Batch /v1/embeddings, /v1/score and /v1/rerank lines: each line's outputs, or its error."""
+        for (i, req), (outs, error) in zip(pooled, run_lines(self.engine, [r.pooling for _, r in pooled])):
+            if error is not None:
+                errors[i] = error
+                results[i] = RowResult(error=error, ran=True, request=req)
+            else:
+                results[i] = RowResult("", sum(o.num_prompt_tokens for o in outs), 0, "stop", None, ran=True,
+                                       request=req, pooled=outs)
 
     def _pool(self, rows, errors, results) -> None:
         """Each row's embedding, class or pair score; a row the engine refuses keeps its error."""

@@ -108,3 +108,25 @@ def test_pooling_spec_errors(models, tmp_path):
         validate({**base, "task": "score", "score": {"text_1_column": "a", "text_2_column": "a"}})
     old = validate({**base, "task": "generate"}).fingerprint()
     assert validate({**base, "task": "generate", "embed": {}}).fingerprint() == old  # unset sections count not
+
+
+def test_an_openai_batch_file_of_embedding_lines(tmp_path, models):
+    from openai.types import CreateEmbeddingResponse
+
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": t}}
+             for i, t in enumerate(texts(4, seed=6, lo=1, hi=40))]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": ""}})
+    write_jsonl(tmp_path / "req.jsonl", lines)
+    job = Job.of(validate({"model": str(models["embed"]), "max_error_rate": 1,
+                           "input": {"path": str(tmp_path / "req.jsonl"), "format": "openai_batch"},
+                           "output": {"path": str(tmp_path / "out"), "format": "openai_batch"}}))
+    assert run_job(job, progress=lambda msg: None).status == "complete"
+    out = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    out = [x for x in out if x["error"] is None]
+    assert sorted(x["custom_id"] for x in out) == ["e0", "e1", "e2", "e3"]
+    want = LLMEngine(model=str(models["embed"])).embed([x["body"]["input"] for x in lines[:4]])
+    for x in out:
+        body = CreateEmbeddingResponse.model_validate(x["response"]["body"])
+        assert body.data[0].embedding == pytest.approx(want[int(x["custom_id"][1:])].embedding, abs=1e-6)

@@ -192,7 +192,7 @@ def batch_lines():
          "body": {"prompt": "x", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 5, "logprobs": 0}},
         {"custom_id": "req-n-bad", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "n": 200}},
-        {"custom_id": "req-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "req-url", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
         {"custom_id": "req-logprobs", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": chat["messages"], "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4}},
     ]

@@ -94,7 +94,8 @@ def test_chat_logprobs_mapping():
     (chat(extra=1), "unsupported request fields: extra (expected custom_id, method, url, body)"),
     (chat(method="GET"), "method must be \"POST\", got 'GET'"),
     ({"custom_id": "a", "url": CHAT_URL, "body": {}}, "method must be \"POST\", got None"),
-    (chat(url="/v1/embeddings"), "url must be /v1/chat/completions or /v1/completions, got '/v1/embeddings'"),
+    (chat(url="/v1/moderations"), "url must be one of /v1/chat/completions, /v1/completions, /v1/embeddings, "
+     "/v1/score, /v1/rerank, got '/v1/moderations'"),
     ({"custom_id": "a", "method": "POST", "url": CHAT_URL}, "body is missing"),
     (chat(body=None) | {"body": "text"}, "body must be a JSON object, got str"),
     (chat({"model": 3}), "body.model must be a string, got int"),

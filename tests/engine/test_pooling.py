@@ -159,3 +159,30 @@ def test_pooling_params_are_checked():
         PoolingParams(normalize="yes")
     with pytest.raises(ValueError, match="pooling_type"):
         EngineConfig(pooling={"pooling_type": "median"})
+
+
+def test_a_dense_module_after_pooling(tmp_path, models):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+
+    from pooling_models import write_tokenizer
+
+    transformer = st_models.Transformer(str(models["bert"]))
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(32, pooling_mode="mean"),
+                                         st_models.Dense(32, 16, activation_function=torch.nn.Tanh()),
+                                         st_models.Normalize()], device="cpu")
+    model.save(str(tmp_path / "dense"))
+    write_tokenizer(tmp_path / "dense")
+    ref = SentenceTransformer(str(tmp_path / "dense"), device="cpu").encode(TEXTS[:12])
+    got = np.array([o.embedding for o in LLMEngine(EngineConfig(model=str(tmp_path / "dense"))).embed(TEXTS[:12])])
+    assert got.shape == (12, 16) and cosines(got, ref).min() >= 0.99999
+
+
+@pytest.mark.parametrize("kind,pooling", [("roberta", "mean"), ("xlm-roberta", "cls"), ("modernbert", "mean")])
+def test_other_encoders_match_sentence_transformers(tmp_path, kind, pooling):
+    """RoBERTa's positions after its padding index; ModernBERT's local layers attend within their window."""
+    path = build_sentence_transformer(tmp_path / "st", build_encoder(tmp_path / "base", kind), pooling)
+    ref = st.SentenceTransformer(str(path), device="cpu").encode(TEXTS, batch_size=8)
+    got = np.array([o.embedding for o in LLMEngine(EngineConfig(model=str(path), max_num_batched_tokens=1500))
+                    .embed(TEXTS)])
+    assert cosines(got, ref).min() >= 0.99999

@@ -49,7 +49,8 @@ def spec_for(task: str, model: Path, inp: Path, out: Path) -> dict:
     return spec
 
 
-@pytest.mark.parametrize("task", ["embed", "classify", "score"])
+@pytest.mark.parametrize("task", [pytest.param("embed", marks=pytest.mark.slow), "classify",
+                                  pytest.param("score", marks=pytest.mark.slow)])
 def test_a_pooling_job_resumes_after_a_crash_with_every_row_once(tmp_path, models, monkeypatch, task):
     rows = rows_for(task)
     write_jsonl(tmp_path / "in.jsonl", rows)
@@ -110,6 +111,7 @@ def test_pooling_spec_errors(models, tmp_path):
     assert validate({**base, "task": "generate", "embed": {}}).fingerprint() == old  # unset sections count not
 
 
+@pytest.mark.slow  # fast sibling: tests/pipeline/test_openai_pooling.py (the same lines through TaskRunner)
 def test_an_openai_batch_file_of_embedding_lines(tmp_path, models):
     from openai.types import CreateEmbeddingResponse
 

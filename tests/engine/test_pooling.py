@@ -186,3 +186,19 @@ def test_other_encoders_match_sentence_transformers(tmp_path, kind, pooling):
     got = np.array([o.embedding for o in LLMEngine(EngineConfig(model=str(path), max_num_batched_tokens=1500))
                     .embed(TEXTS)])
     assert cosines(got, ref).min() >= 0.99999
+
+
+@pytest.mark.parametrize("kind,extra", [("modernbert", {}), ("modernbert", {"classifier_pooling": "mean"}),
+                                        ("xlm-roberta", {}), ("qwen3", {})])
+def test_other_classifiers_match_transformers(tmp_path, kind, extra):
+    """Each family's own head: ModernBERT's CLS or mean pooling, RoBERTa's head on token 0, a decoder's last token."""
+    path = build_classifier(tmp_path / "c", kind)
+    if extra:
+        set_config(path, **extra)
+    ref_model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = TEXTS[:8] + TEXTS[-4:]
+    for text, o in zip(rows, LLMEngine(EngineConfig(model=str(path))).classify(rows)):
+        with torch.no_grad():
+            probs = torch.softmax(ref_model(**tok(text, return_tensors="pt")).logits[0], -1)
+        assert np.abs(np.array(o.probs) - probs.numpy()).max() <= 1e-5

@@ -22,6 +22,7 @@ from pipeline.spec import Job, validate  # noqa: E402
 from pooling_models import LABELS, build_classifier, build_encoder, build_sentence_transformer, texts  # noqa: E402
 
 pytest.importorskip("sentence_transformers")
+pytestmark = pytest.mark.usefixtures("ray_local")  # the session's one local Ray (run_job would start its own)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from engine.api.config import CPU_POOL_TOKENS, EngineConfig
 from engine.api.errors import EngineBusy
 from engine.api.outputs import BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, ScoringOutput
 from engine.api.pooling import PoolingParams
+from engine.api.prompts import per_prompt
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
@@ -361,14 +362,7 @@ class LLMEngine:
     def generate(self, prompts: Seq[Prompt] | Prompt,
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
         """Runs every prompt to completion; one Completion per prompt, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts, params = per_prompt(prompts, params, SamplingParams)
         self.pooling_info.check("generate")
         if self.has_unfinished():
             raise EngineBusy("generate() called while requests from add_request() are still running")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine.api.errors import EngineBusy
 from engine.api.outputs import BatchStats, ClassificationOutput, EmbeddingOutput, ScoringOutput
 from engine.api.pooling import PoolingParams
+from engine.api.prompts import per_prompt
 from engine.models.pooling import PoolingInfo
 from engine.pooling import decoder
 from engine.pooling.pooler import PostPooling, finish_embeddings, head_activation, pool_rows
@@ -39,7 +40,7 @@ class Pooler:
 
     def embed(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None) -> list[EmbeddingOutput]:
         self._check("embed")
-        prompts, params = _listed(prompts, params)
+        prompts, params = per_prompt(prompts, params, PoolingParams)
         rows, errors = self._rows(prompts, params)
         for i, p in enumerate(params):
             if errors[i] is None:
@@ -60,7 +61,7 @@ class Pooler:
     def classify(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None
                  ) -> list[ClassificationOutput]:
         self._check("classify")
-        prompts, params = _listed(prompts, params)
+        prompts, params = per_prompt(prompts, params, PoolingParams)
         rows, errors = self._rows(prompts, params)
         logits = self._logits(rows, errors)
         out = []
@@ -68,7 +69,7 @@ class Pooler:
             if errors[i] is not None:
                 out.append(ClassificationOutput([], None, len(row or ()), errors[i]))
                 continue
-            probs = head_activation(logits[i][None], self.info, pair=False)[0]
+            probs = head_activation(logits[i][None], self.info)[0]
             values = probs if params[i].use_activation is not False else logits[i]
             out.append(ClassificationOutput(values.tolist(), self.info.labels[int(probs.argmax())], len(row)))
         return out
@@ -98,7 +99,7 @@ class Pooler:
             if errors[i] is not None:
                 out.append(ScoringOutput(None, len(row or ()), errors[i]))
                 continue
-            value = head_activation(logits[i][None], self.info, pair=True)[0] if params.use_activation is not False \
+            value = head_activation(logits[i][None], self.info)[0] if params.use_activation is not False \
                 else logits[i]
             out.append(ScoringOutput(float(value[0]), len(row)))
         return out
@@ -225,18 +226,6 @@ class Pooler:
             return decoder.pooled_states(self.llm, rows, kind)
         states = self.encoder.states(rows, types)
         return pool_rows(states, [len(r) for r in rows], kind)
-
-
-def _listed(prompts, params):
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if params is None or isinstance(params, PoolingParams):
-        params = [params or PoolingParams()] * len(prompts)
-    params = list(params)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(params)} PoolingParams")
-    return prompts, params
 
 
 def _pairs(text_1, text_2) -> tuple[list, list]:

@@ -1,0 +1,16 @@
+"""The prompts of one call as a list, each with its own parameters (generate and the pooling calls)."""
+from __future__ import annotations
+
+
+def per_prompt(prompts, params, cls) -> tuple[list, list]:
+    """One prompt (text or token ids) or a list of them, and one `cls` instance (None: its
+    defaults) or one per prompt -> (prompts, params) of equal length; ValueError when they differ."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, cls):
+        params = [params or cls()] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} {cls.__name__}")
+    return prompts, params

@@ -67,9 +67,9 @@ def finish_embeddings(pooled: torch.Tensor, post: PostPooling | None, dims: list
     return out
 
 
-def head_activation(logits: torch.Tensor, info: PoolingInfo, pair: bool) -> torch.Tensor:
+def head_activation(logits: torch.Tensor, info: PoolingInfo) -> torch.Tensor:
     """(R, num_labels) -> probabilities: a one-label head's logit through the cross-encoder's
     activation (sigmoid by default, as sentence-transformers applies it), else a softmax."""
     if logits.shape[-1] == 1:
-        return ACTIVATION_FNS[info.score_activation if pair or info.score_activation else "sigmoid"](logits)
+        return ACTIVATION_FNS[info.score_activation](logits)
     return torch.softmax(logits, dim=-1)

@@ -7,6 +7,7 @@ Its packages, each answering one question (imports run down this list's order, n
     models/        models and tokenizers from the outside world (builtin, Hub, object storage, file checks)
     quantization/  quantized weights: the method a model runs with, and its linear layers
     distributed/   tensor-parallel ranks and each rank's shard of the weights
+    lora/          LoRA adapters: PEFT files checked, and the layers adding each row's low-rank products
     runner/        running the model: loading it, one forward pass over the paged KV pool, its kernels
     sample/        logits to tokens, grammars, logprobs, and the rules that finish a row
     pooling/       rows to embeddings, class probabilities and scores (encoders packed; decoders paged)
@@ -17,9 +18,9 @@ outputs and errors import without torch; `LLMEngine` and `EchoEngine` (which nee
 tokenizers) are imported on first use, so that job specs can be read anywhere."""
 __version__ = "0.1.0"
 
-from engine.api import (AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
+from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
                         Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
-                        EngineError, GrammarBusy, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
+                        EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
                         PoolSizingError, RankError, Sample, SamplingParams, ScoringOutput, StructuredOutputsParams,
                         one_line)
 
@@ -38,6 +39,6 @@ def __getattr__(name: str):
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "Completion", "Sample",
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
-           "ClassificationOutput", "ScoringOutput", "EchoEngine", "ECHO_MODEL", "__version__",
-           "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
+           "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",
+           "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
            "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

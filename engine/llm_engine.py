@@ -1,17 +1,16 @@
 """LLMEngine: takes requests, forms batches, runs them, returns completions in input order."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
 
 from engine.api.config import CPU_POOL_TOKENS, EngineConfig
 from engine.api.errors import EngineBusy
+from engine.api.lora import LoRARequest, per_prompt_lora
 from engine.api.outputs import BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, ScoringOutput
 from engine.api.pooling import PoolingParams
 from engine.api.prompts import per_prompt
@@ -21,12 +20,13 @@ from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
 from engine.core.sequence import Sequence, Status
 from engine.core.stats import StatsCollector
 from engine.models.files import resolve_model_dir
+from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
-from engine.pooling import EncoderRunner, Pooler
-from engine.runner.memory import keep_cpu_buffers, kv_bytes_per_token, profile_pool_blocks
+from engine.pooling import EncoderRunner, Pooler, score_pairs
+from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
-from engine.sample.batch import Batch
+from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
 from engine.sample.grammar import GrammarBackend
 from engine.sample.sampler import Sampler
@@ -35,27 +35,7 @@ from engine.scoring import score_choices
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-@dataclass
-class Sampled:
-    """What a pass sampled, handed from run to postprocess."""
-
-    seqs: list[Sequence]
-    """The rows that sampled a token (prefill chunks mid-prompt sample none)."""
-    rows: slice | torch.Tensor
-    """Their table slots (a slice, or an index tensor)."""
-    tokens: torch.Tensor
-    """(k,) int64 on the device: each row's new token."""
-    logprobs: torch.Tensor | None
-    """(k, V) float32 on the device when some row wants logprobs."""
-
-
-def sample_seed(seed: int, j: int) -> int:
-    """Sample j's seed: sample 0 keeps the request's, so it equals the n = 1 output."""
-    if j == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}:{j}".encode()).digest()[:8], "big") >> 1
+NO_LORA = "LoRA is not enabled (set enable_lora)"
 
 
 class LLMEngine:
@@ -84,13 +64,17 @@ class LLMEngine:
             self.runner.close()  # the ranks of an engine that never was
             raise
         self.pool = BlockPool(self.cache.num_blocks, self.block_size, caching=self.config.enable_prefix_caching)
+        self.adapters = AdapterRouter(self.runner, self.config.max_loras,
+                                      None if self.runner.lora is not None else NO_LORA)
+        """LoRA: requests' adapters checked, their device slots filled before each pass."""
         self.salt = hash_salt(self.config.model, self.config.revision, str(self.runner.dtype),
                               str(self.runner.kv_dtype), self.runner.quantization)
         """Roots the prefix-cache names: blocks of another model, revision or dtype never match."""
         longrope = self.runner.longrope
         self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.max_model_len,
                                    self.max_num_batched_tokens, self.continuous, self.salt,
-                                   long_rope_after=longrope.original if longrope is not None else None)
+                                   long_rope_after=longrope.original if longrope is not None else None,
+                                   lora_slots=self.adapters.slots)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.stats = StatsCollector()
         """Figures of the batch running now; closed ones go to batch_stats."""
@@ -109,6 +93,8 @@ class LLMEngine:
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
         self.cache = self.pool = None
+        self.adapters = AdapterRouter(self.runner, self.config.max_loras, NO_LORA if not self.config.enable_lora
+                                      else "encoder models take no LoRA adapters (LoRA runs on decoder models)")
         self.pooler = Pooler(self, self.pooling_info, encoder=self.runner)
 
     def _prepare(self) -> None:
@@ -146,18 +132,7 @@ class LLMEngine:
         """The KV pool (blocks, block size, tokens, bytes) and the weights' bytes, for stats,
         manifests and `batchinfer tune`. Pool bytes are computed before its first allocation.
         With tensor_parallel_size N the bytes are rank 0's (its device's share)."""
-        if self.cache is None:  # an encoder: weights only
-            return {"kv_blocks": 0, "block_size": 0, "kv_tokens": 0, "kv_bytes": 0,
-                    "weights_bytes": self.runner.weights_nbytes, "unquantized_weights_bytes": self.runner.weights_nbytes,
-                    "quantization": None, "kv_cache_dtype": self.config.kv_cache_dtype, "tensor_parallel_size": 1}
-        per_token = (self.cache.nbytes() // (self.cache.physical_blocks * self.block_size) if self.cache.allocated
-                     else kv_bytes_per_token(self.runner))
-        kv_bytes = per_token * self.pool_tokens  # the pool's blocks (not the one spare block graphs pad into)
-        return {"kv_blocks": self.pool.num_blocks, "block_size": self.block_size, "kv_tokens": self.pool_tokens,
-                "kv_bytes": kv_bytes, "weights_bytes": self.runner.weights_nbytes,
-                "unquantized_weights_bytes": self.runner.unquantized_nbytes,
-                "quantization": self.runner.quantization, "kv_cache_dtype": self.config.kv_cache_dtype,
-                "tensor_parallel_size": self.config.tensor_parallel_size}
+        return memory_report(self.runner, self.config, self.cache, self.pool)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -183,9 +158,11 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
-        """Tokenizes and queues one request (its n samples); a request that can never run is
-        finished with an error. Returns sample 0, whose `group` holds all n when n > 1."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> Sequence:
+        """Tokenizes and queues one request (its n samples), under a LoRA adapter or the base model
+        (None); a request that can never run (its adapter unusable too) is finished with an error.
+        Returns sample 0, whose `group` holds all n when n > 1."""
         self.pooling_info.check("generate")
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -193,13 +170,15 @@ class LLMEngine:
         self._next_index += 1
         try:
             seq.prompt_token_ids = self._tokenize(prompt)
+            self.adapters.attach(seq, lora_request)
             if params.structured_outputs is not None:
                 self.grammar.compile(params.structured_outputs)
         except (TypeError, ValueError) as exc:
             seq.fail(str(exc))
             return seq
         samples = [seq] + [Sequence(index=seq.index, prompt_token_ids=seq.prompt_token_ids, params=params,
-                                    seed=sample_seed(seed, j), sample_index=j) for j in range(1, params.n)]
+                                    seed=sample_seed(seed, j), sample_index=j, lora=seq.lora, lora_salt=seq.lora_salt)
+                          for j in range(1, params.n)]
         if params.n > 1:
             seq.group = samples
         for s in samples:
@@ -254,6 +233,7 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """The next pass's plan; the running table follows it (preempted rows leave, admitted join)."""
         plan = self.scheduler.schedule()
+        self.adapters.load_pending()
         self.batch.remove(plan.preempted)
         if plan.admitted:
             self.stats.join(plan.admitted, self.batch.num_rows)
@@ -322,19 +302,22 @@ class LLMEngine:
         self.batch.remove(chunked)
         self.runner.release_cached_memory()
 
-    def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]]) -> list[ChoiceScores]:
+    def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]],
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ChoiceScores]:
         """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
         prompts[i]. A text choice after a text prompt is tokenized as part of prompt + choice (its
         tokens are those beyond the prompt's), so write it as it would continue the prompt, e.g.
-        with its leading space. One ChoiceScores per row."""
+        with its leading space. One ChoiceScores per row; rows of each adapter (lora_request: one
+        for all rows or one per row) are scored together."""
         self.pooling_info.check("generate")
         if len(prompts) != len(choices):
             raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
+        loras = per_prompt_lora(lora_request, len(prompts))
         prompt_ids, choice_ids, failed = [], [], {}
         for i, (p, cs) in enumerate(zip(prompts, choices)):
             try:
                 ids = self._tokenize(p)
-                cids = [self._continuation(p, ids, c) for c in cs]
+                cids = [self.tokenizer.continuation(p, ids, c) for c in cs]
             except (TypeError, ValueError) as exc:
                 failed[i] = str(exc)
                 ids, cids = [], []
@@ -342,31 +325,24 @@ class LLMEngine:
             choice_ids.append(cids)
         if self.has_unfinished():
             raise EngineBusy("score_choices() called while generation requests are still running")
-        scores = score_choices(self, prompt_ids, choice_ids)
+        scores = self.adapters.per_adapter(
+            loras, lambda rows: score_choices(self, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows]),
+            lambda message: ChoiceScores([], [], 0, message))
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
         return scores
 
-    def _continuation(self, prompt: Prompt, prompt_ids: list[int], choice: str | list[int]) -> list[int]:
-        """A choice's token ids as they follow the prompt: for text, the tokens that prompt + choice
-        has beyond the prompt's own (tokenizers that merge across the boundary or add a prefix
-        space agree with how the text would be read); else the choice tokenized on its own."""
-        if not isinstance(choice, str):
-            return list(choice)
-        if isinstance(prompt, str) and choice:
-            whole = self.tokenizer.encode(prompt + choice)
-            if len(whole) > len(prompt_ids) and whole[: len(prompt_ids)] == prompt_ids:
-                return whole[len(prompt_ids):]
-        return self.tokenizer.encode_continuation(choice)
-
-    def generate(self, prompts: Seq[Prompt] | Prompt,
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
-        """Runs every prompt to completion; one Completion per prompt, in input order."""
+    def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[Completion]:
+        """Runs every prompt to completion; one Completion per prompt, in input order. lora_request:
+        one adapter for all prompts, one per prompt (None: the base model); rows of different
+        adapters share passes."""
         prompts, params = per_prompt(prompts, params, SamplingParams)
+        loras = per_prompt_lora(lora_request, len(prompts))
         self.pooling_info.check("generate")
         if self.has_unfinished():
             raise EngineBusy("generate() called while requests from add_request() are still running")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self.add_request(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
         try:
             while self.has_unfinished():
                 self.step()
@@ -377,17 +353,29 @@ class LLMEngine:
 
     # -- pooling (engine.pooling) ----------------------------------------------------------------
 
-    def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None
-              ) -> list[EmbeddingOutput]:
+    def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
-        return self.pooler.embed(prompts, pooling_params)
+        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
+        return self.adapters.per_adapter(
+            per_prompt_lora(lora_request, len(prompts)),
+            lambda rows: self.pooler.embed([prompts[i] for i in rows], [params[i] for i in rows]),
+            lambda message: EmbeddingOutput([], 0, message))
 
-    def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None
-                 ) -> list[ClassificationOutput]:
+    def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ClassificationOutput]:
         """Class probabilities (and the most probable id2label name) per prompt, in input order."""
-        return self.pooler.classify(prompts, pooling_params)
+        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
+        return self.adapters.per_adapter(
+            per_prompt_lora(lora_request, len(prompts)),
+            lambda rows: self.pooler.classify([prompts[i] for i in rows], [params[i] for i in rows]),
+            lambda message: ClassificationOutput([], None, 0, message))
 
-    def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt],
-              pooling_params: PoolingParams | None = None) -> list[ScoringOutput]:
+    def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoringOutput]:
         """One score per pair (one text_1 for every text_2, or two lists): a cross-encoder's, or a cosine."""
-        return self.pooler.score(text_1, text_2, pooling_params)
+        firsts, seconds = score_pairs(text_1, text_2)
+        return self.adapters.per_adapter(
+            per_prompt_lora(lora_request, len(firsts)),
+            lambda rows: self.pooler.score([firsts[i] for i in rows], [seconds[i] for i in rows], pooling_params),
+            lambda message: ScoringOutput(None, 0, message))

@@ -69,7 +69,7 @@ def _blocks(pool, prompt: list[int], choices: list[list[int]]) -> int:
 @torch.inference_mode()
 def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
     pool, runner, bs = llm.pool, llm.runner, llm.block_size
-    seqs = [Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0)
+    seqs = [llm.adapters.stamp(Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0))
             for i, p in enumerate(prompts)]
     forks: list[Sequence] = []
     try:
@@ -82,8 +82,8 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
             for j, c in enumerate(cs):
                 if len(c) < 2:
                     continue
-                fork = Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
-                                params=SamplingParams(max_tokens=1), seed=0)
+                fork = llm.adapters.stamp(Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
+                                                   params=SamplingParams(max_tokens=1), seed=0))
                 fork.block_ids = pool.table(seq.block_ids[:full], fork.num_tokens)
                 if len(seq.prompt_token_ids) % bs:
                     runner.copy_block(llm.cache, seq.block_ids[full], fork.block_ids[full])

@@ -1,9 +1,10 @@
 """What a caller configures, asks for and gets back: the engine's config, sampling and structured-output
 parameters, its outputs and its errors. Plain dataclasses, no torch: job specs import them anywhere."""
 from engine.api.config import CPU_POOL_TOKENS, DEFAULT_MODEL, SCHEDULING_MODES, EngineConfig, auto_dtype
-from engine.api.errors import (AttentionOutsideEngine, BatchFull, ConstraintError, DeviceError, EngineBusy,
+from engine.api.errors import (AdapterError, AttentionOutsideEngine, BatchFull, ConstraintError, DeviceError, EngineBusy,
                                EngineError, GrammarBusy, ModelLoadError, PoolExhausted, PoolSizingError, RankError,
                                one_line)
+from engine.api.lora import LoRARequest, per_prompt_lora
 from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, Sample,
                                 ScoringOutput)
 from engine.api.pooling import POOLING_TASKS, POOLING_TYPES, PoolerConfig, PoolingParams
@@ -14,6 +15,6 @@ __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES
            "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS",
            "Completion", "Sample", "BatchStats", "ChoiceScores",
            "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingParams", "PoolerConfig", "POOLING_TYPES",
-           "POOLING_TASKS",
-           "EngineError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
+           "POOLING_TASKS", "LoRARequest", "per_prompt_lora",
+           "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
            "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

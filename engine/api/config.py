@@ -79,6 +79,14 @@ class EngineConfig:
     """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
     pooling: dict | None = None
     """embed/classify/score: overrides the model's pooling (vLLM's PoolerConfig): {pooling_type: MEAN, CLS or LAST; normalize: true or false}; null = as the model says."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) per request, rows of different adapters in one pass (vLLM's name)."""
+    max_loras: int = 4
+    """With enable_lora: adapters resident on the device at once; rows of more wait for a slot (least recently used adapter evicted) (vLLM's name)."""
+    max_lora_rank: int = 64
+    """With enable_lora: the highest adapter rank accepted (vLLM's name)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters kept loaded on the host; None = 2 x max_loras (vLLM's name)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
@@ -112,6 +120,15 @@ class EngineConfig:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 2 * self.max_loras
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.pooling is not None:
             chosen = PoolerConfig.from_value(self.pooling)
             self.pooling = {k: v for k, v in (("pooling_type", chosen.pooling_type), ("normalize", chosen.normalize))

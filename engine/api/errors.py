@@ -69,6 +69,13 @@ class GrammarBusy(ConstraintError):
     A retry (a later request with it) can help, once they have finished."""
 
 
+class AdapterError(ValueError):
+    """A LoRA adapter cannot be used: missing or unreadable, a corrupt safetensors file, a rank above
+    max_lora_rank, DoRA, a module the engine cannot adapt, another base model's shapes, or LoRA not
+    enabled. Only the requests naming it fail (their `error`); a job's preflight raises it for an
+    adapter its spec names. A retry helps only when the cause was passing (storage unreachable)."""
+
+
 def one_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for one-line error reports."""
     text = str(exc).strip().splitlines()

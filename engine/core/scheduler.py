@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.block_pool import BlockPool, chain_hashes
+from engine.core.lora_slots import LoRASlots
 from engine.core.sequence import Sequence, Status
 
 CPU_BATCHED_TOKENS = 1024
@@ -90,7 +91,8 @@ class Scheduler:
     at the end), the running rows in admission order, and the block pool they share."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 continuous: bool = False, salt: bytes = b"", long_rope_after: int | None = None):
+                 continuous: bool = False, salt: bytes = b"", long_rope_after: int | None = None,
+                 lora_slots: LoRASlots | None = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -100,6 +102,8 @@ class Scheduler:
         self.long_rope_after = long_rope_after
         """LongRoPE's original length, or None: a longer prompt's keys are computed with the long
         factors, so its blocks must not be shared with a shorter prompt's (see salt_of)."""
+        self.lora_slots = lora_slots
+        """With LoRA: the adapters' device slots; a row is admitted only once its adapter holds one."""
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.cohort: list[Sequence] = []
@@ -199,6 +203,11 @@ class Scheduler:
                 break
             if projection is not None and not projection.fits(seq, need, free_after - floor):
                 break
+            if seq.lora is not None:
+                seq.lora_slot = self.lora_slots.acquire(seq.lora)
+                if seq.lora_slot is None:  # every slot is pinned by other adapters' rows: a later wave
+                    i += 1
+                    continue
             del queue[i]
             seq.block_ids = self.pool.table(cached, seq.num_tokens + 1)
             seq.num_computed_tokens = len(cached) * self.pool.block_size
@@ -244,11 +253,13 @@ class Scheduler:
         return cohort
 
     def salt_of(self, seq: Sequence) -> bytes:
-        """The root of the row's block names: the engine's salt, set apart for a prompt longer than
-        LongRoPE's original length (its keys use the long factors from the first position)."""
+        """The root of the row's block names: the engine's salt, set apart by the row's adapter (its
+        keys and values differ from the base model's) and for a prompt longer than LongRoPE's
+        original length (its keys use the long factors from the first position)."""
+        salt = self.salt + (b"|lora|" + seq.lora_salt if seq.lora_salt else b"")
         if self.long_rope_after is not None and seq.num_prompt_tokens > self.long_rope_after:
-            return self.salt + b"|long-rope"
-        return self.salt
+            return salt + b"|long-rope"
+        return salt
 
     def _names(self, seq: Sequence, limit: int) -> list[bytes]:
         """Chain names of the full blocks among the row's first `limit` tokens (memoised)."""
@@ -305,6 +316,9 @@ class Scheduler:
             self.running.remove(seq)
         self.pool.release(seq.block_ids)
         seq.block_ids = []
+        if seq.lora_slot is not None:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = None
         for name in [n for n, s in self.inflight.items() if s is seq]:
             del self.inflight[name]
 

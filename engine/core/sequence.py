@@ -67,6 +67,12 @@ class Sequence:
     """xgrammar matcher of a constrained row (engine.sample.grammar); None otherwise."""
     group: list["Sequence"] = field(default_factory=list)
     """On sample 0: every sample of the request, in order (empty for n = 1)."""
+    lora: object | None = None
+    """The LoRARequest it runs under (None: the base model)."""
+    lora_salt: bytes = b""
+    """Digest of its adapter's files: sets its prefix-cache names apart from other adapters'."""
+    lora_slot: int | None = None
+    """The device slot of its adapter while it runs (engine.core.lora_slots)."""
 
     @property
     def num_prompt_tokens(self) -> int:

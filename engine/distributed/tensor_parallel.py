@@ -131,9 +131,7 @@ def _read_weights(model, model_dir: Path, hf_config, styles: dict[str, str], ran
 
     where = _weight_map(model_dir)
     handles = {}
-    patterns = [(re.compile(r"(^|\.)" + re.escape(p).replace(r"\*", r"\d+") + r"\.(weight|bias)$"), kind)
-                for p, kind in styles.items()]
-    sections = _sections(hf_config)
+    sections = fused_sections(hf_config)
     tied = getattr(hf_config, "tie_word_embeddings", False)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -144,12 +142,39 @@ def _read_weights(model, model_dir: Path, hf_config, styles: dict[str, str], ran
             file = where[name]
             if file not in handles:
                 handles[file] = safe_open(str(model_dir / file), framework="pt", device="cpu")
-            kind = next((k for rx, k in patterns if rx.search(name)), "replicated")
+            kind = style_of(name.rsplit(".", 1)[0], styles)
             part = _slice(handles[file].get_slice(name), kind, name.endswith(".bias"), sections, rank, n)
             if part.shape != param.shape:
                 raise ModelLoadError(f"tensor_parallel_size {n}: {name} shards to {tuple(part.shape)} but the "
                                      f"rank's model holds {tuple(param.shape)}")
             param.copy_(part.to(param.dtype))
+
+
+def style_of(module: str, styles: dict[str, str]) -> str:
+    """How the linear layer named `module` is sharded (a kind of linear_styles; else replicated)."""
+    for pattern, kind in styles.items():
+        if re.search(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$", module):
+            return kind
+    return "replicated"
+
+
+def shard_tensor(tensor: torch.Tensor, kind: str, sections: dict[str, list[int]], rank: int, n: int) -> torch.Tensor:
+    """This rank's part of a whole weight-shaped tensor (out, in) sharded as `kind` (a LoRA factor:
+    row kinds keep columns, column kinds rows, fused ones section by section)."""
+    return _slice(_View(tensor), kind, False, sections, rank, n)
+
+
+class _View:
+    """A tensor seen as a safetensors slice (what _slice reads)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        return self.tensor[index]
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
@@ -168,7 +193,7 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
     return where
 
 
-def _sections(hf_config) -> dict[str, list[int]]:
+def fused_sections(hf_config) -> dict[str, list[int]]:
     """Output rows of each section of the fused projections."""
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads

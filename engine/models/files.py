@@ -26,7 +26,7 @@ def resolve_model_dir(config: EngineConfig, which: str | None = None, weights: b
     if ref.startswith("file://"):
         ref = ref[len("file://"):]
     if "://" in ref:
-        return _copy_remote(ref, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        return copy_remote(ref, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
     path = Path(ref).expanduser()
     if is_hub_model(ref):
         revision = config.revision if which is None or which == config.model else None
@@ -53,7 +53,8 @@ def check_model_files(config: EngineConfig) -> Path:
     return path
 
 
-def _copy_remote(url: str, cache_dir: Path) -> Path:
+def copy_remote(url: str, cache_dir: Path) -> Path:
+    """A local copy of every file under an object-storage URL (made once: a finished copy is marked)."""
     import fsspec
 
     target = cache_dir / "models" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]

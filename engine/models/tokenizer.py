@@ -28,6 +28,18 @@ class Tokenizer:
             raise ValueError(f"a choice must be non-empty text, got {text!r}")
         return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
 
+    def continuation(self, prompt: str | list[int], prompt_ids: list[int], choice: str | list[int]) -> list[int]:
+        """A choice's token ids as they follow the prompt: for text, the tokens that prompt + choice
+        has beyond the prompt's own (tokenizers that merge across the boundary or add a prefix
+        space agree with how the text would be read); else the choice tokenized on its own."""
+        if not isinstance(choice, str):
+            return list(choice)
+        if isinstance(prompt, str) and choice:
+            whole = self.encode(prompt + choice)
+            if len(whole) > len(prompt_ids) and whole[: len(prompt_ids)] == prompt_ids:
+                return whole[len(prompt_ids):]
+        return self.encode_continuation(choice)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))

@@ -36,7 +36,7 @@ def pooled_states(llm, rows: list[list[int]], kind: str) -> torch.Tensor:
 @torch.inference_mode()
 def _group(llm, rows: list[list[int]], kind: str) -> list[torch.Tensor]:
     pool = llm.pool
-    seqs = [Sequence(index=i, prompt_token_ids=r, params=PARAMS, seed=0) for i, r in enumerate(rows)]
+    seqs = [llm.adapters.stamp(Sequence(index=i, prompt_token_ids=r, params=PARAMS, seed=0)) for i, r in enumerate(rows)]
     acc: list[torch.Tensor | None] = [None] * len(rows)
     try:
         for seq in seqs:

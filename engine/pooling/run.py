@@ -77,7 +77,7 @@ class Pooler:
     def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt],
               params: PoolingParams | None) -> list[ScoringOutput]:
         self._check("score")
-        firsts, seconds = _pairs(text_1, text_2)
+        firsts, seconds = score_pairs(text_1, text_2)
         params = params or PoolingParams()
         if not self.info.classifier:  # an embedding model: the cosine of the two embeddings
             embs = self.embed(firsts + seconds, PoolingParams(normalize=True, dimensions=params.dimensions,
@@ -228,7 +228,7 @@ class Pooler:
         return pool_rows(states, [len(r) for r in rows], kind)
 
 
-def _pairs(text_1, text_2) -> tuple[list, list]:
+def score_pairs(text_1, text_2) -> tuple[list, list]:
     """vLLM's forms: one text_1 with a list of text_2 (each paired with it), or two lists of one length."""
     one = lambda t: isinstance(t, str) or (isinstance(t, list) and t and isinstance(t[0], int))  # noqa: E731
     seconds = [text_2] if one(text_2) else list(text_2)

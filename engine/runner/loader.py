@@ -95,6 +95,22 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
     return model.to(device).eval()
 
 
+def adapter_targets(config: EngineConfig, model_dir: Path) -> dict[str, tuple[int, int]]:
+    """Module name -> (in, out) features of every projection a LoRA adapter may target in the model,
+    from its config alone (built on the meta device: no weights read), as the engine names them."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from engine.lora import adaptable, in_out
+
+    hf_config = read_config(config, model_dir)
+    cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
+           "base": AutoModel}[model_head(hf_config)]
+    quiet_transformers()
+    with torch.device("meta"):
+        model = cls.from_config(hf_config, trust_remote_code=config.trust_remote_code)
+    return {name: in_out(m) for name, m in adaptable(model).items()}
+
+
 def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
     """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN with
     its weight prepacked once. With few rows per step, torch's default GEMM streams this matrix

@@ -123,3 +123,21 @@ def kv_bytes_per_token(runner) -> int:
     head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", None) or text.n_embd) // heads
     size = (runner.kv_dtype or runner.dtype).itemsize
     return 2 * runner.num_layers * kv_heads * head_dim * size
+
+
+def memory_report(runner, config, cache, pool) -> dict:
+    """An engine's KV pool (blocks, block size, tokens, bytes) and its weights' bytes (LLMEngine.memory);
+    an encoder (no cache) has weights only."""
+    if cache is None:
+        return {"kv_blocks": 0, "block_size": 0, "kv_tokens": 0, "kv_bytes": 0,
+                "weights_bytes": runner.weights_nbytes, "unquantized_weights_bytes": runner.weights_nbytes,
+                "quantization": None, "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": 1}
+    block_size = pool.block_size
+    tokens = pool.num_blocks * block_size
+    per_token = (cache.nbytes() // (cache.physical_blocks * block_size) if cache.allocated
+                 else kv_bytes_per_token(runner))
+    return {"kv_blocks": pool.num_blocks, "block_size": block_size, "kv_tokens": tokens,
+            "kv_bytes": per_token * tokens,  # the pool's blocks (not the one spare block graphs pad into)
+            "weights_bytes": runner.weights_nbytes, "unquantized_weights_bytes": runner.unquantized_nbytes,
+            "quantization": runner.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+            "tensor_parallel_size": config.tensor_parallel_size}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -14,13 +14,15 @@ from engine.api.errors import ModelLoadError, one_line
 from engine.core.scheduler import ScheduledChunk
 from engine.distributed import tensor_parallel
 from engine.distributed.ranks import RankGroup, join_as_rank, rank_device
+from engine.lora.model import LoRAModel
 from engine.models.files import load_tokenizer, read_config, resolve_model_dir
 from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
-from engine.runner.attention import CHUNK_MIN_TOKENS, PassMetadata
+from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.loader import check_architecture, load_model, model_head, pack_lm_head, packs_head
 from engine.runner.memory import used_before_load
+from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class ModelRunner:
         """causal (an LM head), classifier (a decoder's sequence-classification head) or base (none)."""
         if self.head != "causal" and self.tensor_parallel_size > 1:
             raise ModelLoadError(f"{self.head} decoder models (no LM head) run with tensor_parallel_size 1")
+        self.shard: tuple | None = None
+        """(tp styles, fused sections, rank, n) under tensor parallelism (how LoRA shards adapters)."""
         if self.tensor_parallel_size == 1:
             self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
             self._quantize(self.model)
@@ -95,6 +99,8 @@ class ModelRunner:
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.graphs = None
         """engine.runner.cuda_graph.DecodeGraphs once enabled (LLMEngine: CUDA, unless enforce_eager)."""
+        self.lora = LoRAModel(config, self.model, self.device, self.dtype, self.shard) if config.enable_lora else None
+        """Adapters read and installed in device slots (enable_lora), else None."""
 
     def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None):
         """This rank's shard (quantized after sharding: each shard's own per-channel scales); rank 0
@@ -106,7 +112,8 @@ class ModelRunner:
         if config.extra:
             raise ModelLoadError(f"tensor_parallel_size {n} builds each shard itself: engine.extra "
                                  f"({', '.join(sorted(config.extra))}) would not be applied; remove it")
-        tensor_parallel.check_shardable(hf_config, n, checkpoint)
+        styles = tensor_parallel.check_shardable(hf_config, n, checkpoint)
+        self.shard = (styles, tensor_parallel.fused_sections(hf_config), self.rank, n)
         if self.device.type == "cuda" and torch.cuda.device_count() < n:
             raise ModelLoadError(f"tensor_parallel_size {n} needs {n} visible GPUs, torch sees "
                                  f"{torch.cuda.device_count()}")
@@ -177,6 +184,12 @@ class ModelRunner:
             self.ranks.send("cache", cache.key, num_blocks, block_size)
         return cache
 
+    def load_lora(self, slot: int, request) -> None:
+        """Installs an adapter (a LoRARequest) in device slot `slot`, on every rank."""
+        if self.ranks is not None:
+            self.ranks.send("lora", slot, self.lora.local(request))
+        self.lora.install(slot, request)
+
     def drop_cache(self, cache: PagedKVCache) -> None:
         if self.ranks is not None:
             self.ranks.send("drop", cache.key)
@@ -195,37 +208,7 @@ class ModelRunner:
     def plan(self, chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
              all_logits: bool = False) -> PassPlan:
         """Everything a forward pass over `chunks` needs, as host arrays (sent to the other ranks)."""
-        n = len(chunks)
-        counts = np.fromiter((c.count for c in chunks), dtype=np.int64, count=n)
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
-        width = max(len(c.seq.block_ids) for c in chunks)
-        tables = np.zeros((n, width), dtype=np.int32)
-        tokens: list[int] = []
-        for r, c in enumerate(chunks):
-            ids = c.seq.block_ids
-            tables[r, : len(ids)] = ids
-            tokens += c.seq.tokens_at(c.start, c.start + c.count)
-        rows = np.repeat(np.arange(n), counts)
-        first = np.cumsum(counts) - counts  # each chunk's first token in the pass
-        positions = np.repeat(starts - first, counts) + np.arange(len(rows))
-        slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        long = counts >= CHUNK_MIN_TOKENS
-        spans = [(int(first[r]), int(first[r] + counts[r]), r, int(starts[r])) for r in np.flatnonzero(long).tolist()]
-        if keep is None and not all_logits:
-            ends = np.cumsum(counts) - 1
-            keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
-        long_tokens = None
-        if self.longrope is not None:
-            # a prompt token is long when the whole prompt is, a generated one when its row was
-            # then (position + 1 tokens): also when a preempted row recomputes them all at once
-            prompt = np.repeat([c.seq.num_prompt_tokens for c in chunks], counts)
-            flags = np.maximum(prompt, positions + 1) > self.longrope.original
-            long_tokens = flags if flags.any() else None
-        return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
-                        max_ctx=int((starts + counts).max()),
-                        small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
-                        tokens=tokens, positions=positions, keep=None if all_logits else keep,
-                        long_tokens=long_tokens)
+        return build_plan(chunks, block_size, keep, all_logits, self.longrope)
 
     def _device_metadata(self, plan: PassPlan) -> PassMetadata:
         dev = self.device
@@ -256,7 +239,7 @@ class ModelRunner:
     def forward(self, cache: PagedKVCache, plan: PassPlan) -> torch.Tensor | None:
         """The pass of `plan` on this rank's shard; logits on rank 0 (None on the others, or
         when no token is kept). A decode pass replays a CUDA graph where one serves it."""
-        if self.graphs is not None and self.graphs.eligible(plan):
+        if self.graphs is not None and plan.lora_slots is None and self.graphs.eligible(plan):
             logits = self.graphs.run(cache, plan)
             if logits is not None:
                 return logits
@@ -267,8 +250,14 @@ class ModelRunner:
                 plan.long_tokens).to(self.device)
         index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
         wanted = index if keep is None or keep else torch.zeros(1, dtype=torch.int64, device=self.device)
-        logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
-                                   torch.from_numpy(plan.positions[None]).to(self.device), wanted)
+        if self.lora is not None:
+            self.lora.context.begin(plan.lora_slots)
+        try:
+            logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
+                                       torch.from_numpy(plan.positions[None]).to(self.device), wanted)
+        finally:
+            if self.lora is not None:
+                self.lora.context.end()
         if self.rank or (index is not None and not len(keep)):
             return None
         if index is not None and not self._takes_logits_to_keep:
@@ -289,10 +278,14 @@ class ModelRunner:
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
                   "position_ids": torch.from_numpy(plan.positions[None]).to(self.device)}
         cache.meta = meta
+        if self.lora is not None:
+            self.lora.context.begin(plan.lora_slots)
         try:
             out = self.model.base_model(input_ids=torch.tensor([plan.tokens], device=self.device), **kwargs)
         finally:
             cache.meta = None
+            if self.lora is not None:
+                self.lora.context.end()
         return out.last_hidden_state[0].float()
 
     def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
@@ -326,34 +319,6 @@ class ModelRunner:
         return self.device.type == "cuda" and self.tensor_parallel_size == 1 and self.longrope is None and not dynamic
 
 
-@dataclass
-class PassPlan:
-    """One forward pass as host arrays: what rank 0 sends every other rank (pickled)."""
-
-    slots: np.ndarray
-    """(T,) int64: pool slot of each token's keys and values."""
-    tables: np.ndarray
-    """(R, max_blocks) int32: each row's blocks."""
-    rows: np.ndarray
-    """(T,) int32: the row of each token."""
-    ctx: np.ndarray
-    """(T,) int32: positions each token attends to."""
-    max_ctx: int
-    """Largest ctx."""
-    small: np.ndarray | None
-    """Tokens of the per-token attention path; None = all."""
-    spans: list
-    """(first token, end, row, start position) of each long chunk."""
-    tokens: list[int]
-    """(T,) input token ids."""
-    positions: np.ndarray
-    """(T,) int64: each token's position in its row."""
-    keep: list[int] | None
-    """Token indices whose logits are returned; None = all of them."""
-    long_tokens: np.ndarray | None
-    """(T,) bool: tokens past LongRoPE's original length (None: none, or no LongRoPE)."""
-
-
 def rank_main(config: EngineConfig, rank: int, port: int, conn, parent: int, threads: int) -> None:
     """A tensor-parallel rank's process (spawned by rank 0): loads its shard, then runs rank 0's
     commands until told to close or rank 0 is gone. A failure is sent to rank 0, which names it."""
@@ -385,6 +350,8 @@ def serve(runner: ModelRunner, conn) -> None:
             caches[args[0]] = runner.make_cache(*args[1:])
         elif command == "drop":
             caches.pop(args[0], None)
+        elif command == "lora":
+            runner.lora.install(*args)
         elif command == "copy":
             caches[args[0]].copy_block(*args[1:])
         elif command == "close":

@@ -10,7 +10,9 @@ strings or want logprobs.
 """
 from __future__ import annotations
 
+import hashlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +23,28 @@ from engine.models.tokenizer import StopStringChecker, Tokenizer
 from engine.sample.finish import finish_rows, stop_string_hits
 from engine.sample.logprobs import logprob_columns, record_logprobs, top_n
 from engine.sample.sampler import SamplingFlags, SamplingTensors
+
+
+@dataclass
+class Sampled:
+    """What a pass sampled, handed from run to postprocess."""
+
+    seqs: list[Sequence]
+    """The rows that sampled a token (prefill chunks mid-prompt sample none)."""
+    rows: slice | torch.Tensor
+    """Their table slots (a slice, or an index tensor)."""
+    tokens: torch.Tensor
+    """(k,) int64 on the device: each row's new token."""
+    logprobs: torch.Tensor | None
+    """(k, V) float32 on the device when some row wants logprobs."""
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """Sample j's seed: sample 0 keeps the request's, so it equals the n = 1 output."""
+    if j == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{j}".encode()).digest()[:8], "big") >> 1
+
 
 # Device tensors with one row per slot (first dimension = slots). `state` packs the integer
 # per-row values (STATE_COLUMNS), so joining or moving rows copies one table.

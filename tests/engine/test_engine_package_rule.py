@@ -23,7 +23,8 @@ MAY_IMPORT = {
     "models": {"api"},
     "quantization": {"api"},
     "distributed": {"api"},
-    "runner": {"api", "core", "models", "quantization", "distributed"},
+    "lora": {"api", "core", "models", "distributed"},
+    "runner": {"api", "core", "models", "quantization", "distributed", "lora"},
     "sample": {"api", "core", "models"},
     "pooling": {"api", "core", "models", "runner"},
 }

@@ -1,0 +1,81 @@
+"""One forward pass's plan as host arrays (PassPlan): pool slots, block tables, positions, the
+tokens whose logits are kept, LongRoPE flags and LoRA slots. Rank 0 builds it and sends it to
+every other rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.scheduler import ScheduledChunk
+from engine.runner.attention import CHUNK_MIN_TOKENS
+
+
+def build_plan(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
+               all_logits: bool = False, longrope=None) -> PassPlan:
+    """The plan of a pass over `chunks` (logits kept at each sampling chunk's last token, at
+    token indices `keep`, or at every token with all_logits)."""
+    n = len(chunks)
+    counts = np.fromiter((c.count for c in chunks), dtype=np.int64, count=n)
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+    width = max(len(c.seq.block_ids) for c in chunks)
+    tables = np.zeros((n, width), dtype=np.int32)
+    tokens: list[int] = []
+    for r, c in enumerate(chunks):
+        ids = c.seq.block_ids
+        tables[r, : len(ids)] = ids
+        tokens += c.seq.tokens_at(c.start, c.start + c.count)
+    rows = np.repeat(np.arange(n), counts)
+    first = np.cumsum(counts) - counts  # each chunk's first token in the pass
+    positions = np.repeat(starts - first, counts) + np.arange(len(rows))
+    slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    long = counts >= CHUNK_MIN_TOKENS
+    spans = [(int(first[r]), int(first[r] + counts[r]), r, int(starts[r])) for r in np.flatnonzero(long).tolist()]
+    if keep is None and not all_logits:
+        ends = np.cumsum(counts) - 1
+        keep = [int(e) for e, c in zip(ends, chunks) if c.samples]
+    long_tokens = None
+    if longrope is not None:
+        # a prompt token is long when the whole prompt is, a generated one when its row was
+        # then (position + 1 tokens): also when a preempted row recomputes them all at once
+        prompt = np.repeat([c.seq.num_prompt_tokens for c in chunks], counts)
+        flags = np.maximum(prompt, positions + 1) > longrope.original
+        long_tokens = flags if flags.any() else None
+    lora_slots = None
+    if any(c.seq.lora_slot is not None for c in chunks):
+        lora_slots = np.repeat([-1 if c.seq.lora_slot is None else c.seq.lora_slot for c in chunks], counts)
+    return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
+                    max_ctx=int((starts + counts).max()),
+                    small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
+                    tokens=tokens, positions=positions, keep=None if all_logits else keep,
+                    long_tokens=long_tokens, lora_slots=lora_slots)
+
+
+@dataclass
+class PassPlan:
+    """One forward pass as host arrays: what rank 0 sends every other rank (pickled)."""
+
+    slots: np.ndarray
+    """(T,) int64: pool slot of each token's keys and values."""
+    tables: np.ndarray
+    """(R, max_blocks) int32: each row's blocks."""
+    rows: np.ndarray
+    """(T,) int32: the row of each token."""
+    ctx: np.ndarray
+    """(T,) int32: positions each token attends to."""
+    max_ctx: int
+    """Largest ctx."""
+    small: np.ndarray | None
+    """Tokens of the per-token attention path; None = all."""
+    spans: list
+    """(first token, end, row, start position) of each long chunk."""
+    tokens: list[int]
+    """(T,) input token ids."""
+    positions: np.ndarray
+    """(T,) int64: each token's position in its row."""
+    keep: list[int] | None
+    """Token indices whose logits are returned; None = all of them."""
+    long_tokens: np.ndarray | None
+    """(T,) bool: tokens past LongRoPE's original length (None: none, or no LongRoPE)."""
+    lora_slots: np.ndarray | None = None
+    """(T,) int: each token's LoRA adapter slot, -1 for the base model (None: no adapter in the pass)."""

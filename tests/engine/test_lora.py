@@ -1,0 +1,135 @@
+"""LoRA adapters: rows of several adapters and the base model in one pass give, token for token,
+transformers' greedy generate on each adapter's merged model (PEFT's merge_and_unload), in both
+scheduling modes, under preemption, and with more adapters than slots; prefix-cache blocks are
+never shared across adapters; bad adapters are refused in one line naming them."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import AdapterError, EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from lora_models import ALL_PROJECTIONS, edit_config, greedy, make_adapter, merged
+from tiny_models import build_tiny_model
+
+pytest.importorskip("peft")
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """A tiny Llama and three adapters: rank 8 on q/v, rank 16 on all 7 projections (rsLoRA), rank 8 on the MLP."""
+    root = tmp_path_factory.mktemp("lora")
+    base = build_tiny_model("llama", root / "llama")
+    adapters = {"qv": make_adapter(base, root / "qv", 8, ["q_proj", "v_proj"], seed=1),
+                "all": make_adapter(base, root / "all", 16, ALL_PROJECTIONS, seed=2, rslora=True),
+                "mlp": make_adapter(base, root / "mlp", 8, ["up_proj", "down_proj"], seed=3)}
+    requests = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+    return base, adapters, requests
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[3 + i % 50, 17, 40 + 3 * i % 90, 90, 2 + i % 7, 11 + i % 13, 60, 61 + i % 5, 8, 9, 70 + i, 33]
+            for i in range(n)]
+
+
+def references(base, adapters, rows, loras) -> list[list[int]]:
+    models = {}
+    out = []
+    for ids, lora in zip(rows, loras):
+        key = lora.lora_name if lora else None
+        if key not in models:
+            models[key] = merged(base, adapters[key] if key else None)
+        out.append(greedy(models[key], ids, MAX_NEW))
+    return out
+
+
+@pytest.mark.parametrize("scheduling,pool", [("static", None), ("continuous", None), ("continuous", 96)])
+def test_mixed_adapters_in_one_batch_match_each_merged_model(family, scheduling, pool):
+    base, adapters, requests = family
+    rows = prompts(12)
+    loras = [[None, requests["qv"], requests["all"], requests["mlp"]][i % 4] for i in range(12)]
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True, scheduling=scheduling, max_batch_tokens=pool))
+    outs = llm.generate(rows, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True), lora_request=loras)
+    want = references(base, adapters, rows, loras)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.error is None for o in outs)
+    base_only = LLMEngine(EngineConfig(model=str(base))).generate(rows, SamplingParams(max_tokens=MAX_NEW, temperature=0,
+                                                                                        ignore_eos=True))
+    changed = [o.token_ids != b.token_ids for o, b in zip(outs, base_only)]
+    assert changed == [lora is not None for lora in loras]  # every adapter changes its rows, the base rows stay
+    if pool is not None:
+        assert sum(s.preemptions for s in llm.batch_stats) > 0  # the small pool preempted rows mid-batch
+
+
+def test_more_adapters_than_slots_run_in_waves_with_tokens_unchanged(family, tmp_path):
+    base, adapters, requests = family
+    extra = {f"x{k}": make_adapter(base, tmp_path / f"x{k}", 4, ["q_proj", "o_proj"], seed=10 + k) for k in range(3)}
+    paths = {**adapters, **extra}
+    reqs = [LoRARequest(name, i + 1, str(p)) for i, (name, p) in enumerate(paths.items())]  # 6 adapters
+    rows = prompts(12)
+    loras = [reqs[i % 6] for i in range(12)]
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True, max_loras=2, max_cpu_loras=3,
+                                 scheduling="continuous"))
+    outs = llm.generate(rows, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True), lora_request=loras)
+    assert all(o.error is None for o in outs)
+    assert [o.token_ids for o in outs] == references(base, paths, rows, loras)
+    assert llm.adapters.slots.evictions >= 4
+
+
+def test_prefix_cache_blocks_are_never_shared_across_adapters(family):
+    base, adapters, requests = family
+    prompt = list(range(5, 5 + 40))  # more than two full blocks
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True))
+    first = llm.generate([prompt], sp, lora_request=requests["all"])[0]
+    second = llm.generate([prompt], sp, lora_request=requests["qv"])[0]  # same tokens, another adapter
+    again = llm.generate([prompt], sp, lora_request=requests["qv"])[0]
+    assert second.num_cached_tokens == 0 and again.num_cached_tokens == 32  # its own blocks only
+    solo = {name: LLMEngine(EngineConfig(model=str(base), enable_lora=True, enable_prefix_caching=False)).generate(
+        [prompt], sp, lora_request=requests[name])[0].token_ids for name in ("all", "qv")}
+    assert first.token_ids == solo["all"] and second.token_ids == again.token_ids == solo["qv"]
+
+
+def test_choice_scoring_and_a_list_of_requests_follow_each_adapter(family):
+    base, adapters, requests = family
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True))
+    rows, choices = prompts(4), [[[7], [8, 9]]] * 4
+    loras = [None, requests["qv"], None, requests["all"]]
+    mixed = llm.score_choices(rows, choices, lora_request=loras)
+    for row, ch, lora, got in zip(rows, choices, loras, mixed):
+        alone = llm.score_choices([row], [ch], lora_request=lora)[0]
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert mixed[1].logprobs != pytest.approx(llm.score_choices([rows[1]], [choices[1]])[0].logprobs, abs=1e-3)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(rows, SamplingParams(max_tokens=2), lora_request=loras[:3])
+
+
+def test_bad_adapters_fail_their_rows_in_one_line_naming_them(family, tmp_path):
+    base, adapters, requests = family
+    dora = shutil.copytree(adapters["qv"], tmp_path / "dora")
+    edit_config(dora, use_dora=True)
+    corrupt = shutil.copytree(adapters["qv"], tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    wide = shutil.copytree(adapters["qv"], tmp_path / "wide")  # lora_A of another model's hidden size
+    tensors = load_file(wide / "adapter_model.safetensors")
+    tensors = {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()}
+    save_file(tensors, wide / "adapter_model.safetensors")
+    cases = {"missing": (str(tmp_path / "nowhere"), "no directory"),
+             "dora": (str(dora), "DoRA"), "corrupt": (str(corrupt), "corrupt"),
+             "rank": (str(adapters["all"]), "rank 16 exceeds max_lora_rank \\(8\\)"),
+             "wide": (str(wide), "does not match the base model: model.layers.0.self_attn.q_proj maps")}
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True, max_lora_rank=8))
+    reqs = [LoRARequest(name, i + 1, path) for i, (name, (path, _)) in enumerate(cases.items())]
+    outs = llm.generate(prompts(len(reqs) + 1), SamplingParams(max_tokens=3), lora_request=reqs + [None])
+    for out, (name, (_, message)) in zip(outs, cases.items()):
+        assert out.finish_reason == "error" and out.error.startswith(f"adapter {name}: ")
+        assert re.search(message, out.error), out.error
+        assert "\n" not in out.error
+    assert outs[-1].error is None  # the base model's row goes on
+    seq = LLMEngine(EngineConfig(model=str(base))).add_request([5, 6], None, requests["qv"])
+    assert seq.finish_reason == "error" and seq.error == "adapter qv: LoRA is not enabled (set enable_lora)"

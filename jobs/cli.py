@@ -134,12 +134,15 @@ def validate(config, model, input_, output, overrides, verbose):
     """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
     from pipeline.errors import InputError, JobError
     from pipeline.io import Storage, plan_shards
-    from pipeline.run import preflight
+    from pipeline.run import check_adapters, preflight, with_adapters
+    from pipeline.spec import Job
 
     spec = _load(config, model, input_, output, overrides)
     with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         try:
+            spec = with_adapters(Job(spec, "")).spec
             files = preflight(spec)
+            check_adapters(spec)
             storage = Storage(spec.input.path, spec.input.storage_options)
             rows = shards = 0
             for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):

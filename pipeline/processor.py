@@ -20,11 +20,11 @@ import pyarrow as pa
 
 from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
-from pipeline.run import EngineActor, engine_stage_args
-from pipeline.spec import JobSpec, validate
+from pipeline.run import EngineActor, engine_stage_args, with_adapters
+from pipeline.spec import Job, JobSpec, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
 
-SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed")
+SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed", "lora", "embed", "score")
 """The job spec's keys a processor takes: all but input, output, report and max_error_rate."""
 
 
@@ -39,7 +39,11 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     if unknown:
         raise SpecError(f"{unknown[0]}: not a processor setting (a processor takes {', '.join(SECTIONS)}; "
                         "the Dataset is its input and its result)")
+    lora = config.get("lora")
+    if isinstance(lora, dict) and (lora.get("adapters") or lora.get("path")) and not lora.get("each"):
+        config = {**config, "lora": {"column": "model", **lora}}  # a row's `model` names its adapter (Ray Data LLM)
     spec = read_schema_files(validate({**config, "input": {"path": "-"}, "output": {"path": "-"}}))
+    spec = with_adapters(Job(spec, "")).spec  # lora.path listed once, here
     return Processor(spec, preprocess, postprocess)
 
 
@@ -79,8 +83,14 @@ class RowWorker(EngineActor):
     def _rows(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         ids = [row_id(row) for row in rows]
-        results = self.tasks.run(rows, ids, [None] * len(rows))
-        return output_table(self.spec, rows, ids, results, self.tasks.embedding_width)
+        if not self.spec.lora.each:
+            results = self.tasks.run(rows, ids, [None] * len(rows))
+            return output_table(self.spec, rows, ids, results, self.tasks.embedding_width)
+        lora = self.spec.lora  # every row under every adapter (and the base model with include_base)
+        tables = [output_table(self.spec, rows, ids, self.tasks.run(rows, ids, [None] * len(rows), name),
+                               self.tasks.embedding_width)
+                  for name in ([""] if lora.include_base else []) + sorted(lora.adapters)]
+        return pa.concat_tables(tables)
 
 
 class RowPrompts(PromptBuilder):

@@ -76,6 +76,12 @@ class OutputDir:
     def mark_success(self) -> None:
         self.storage.write_atomic(self.storage.path("_SUCCESS"), b"")
 
+    def reopen(self) -> None:
+        """A complete output that has more to compute (an adapter added to a lora.each job) is not
+        complete any more: its _SUCCESS marker goes; parts and records stay."""
+        if self.is_complete():
+            self.storage.fs.rm(self.storage.path("_SUCCESS"))
+
     def clear(self) -> None:
         """Deletes what an earlier job left (--overwrite): its parts, records, plan, index, final
         files and its runs' records, whose time and cost belong to that job, not the next."""

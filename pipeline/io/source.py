@@ -10,7 +10,7 @@ import hashlib
 import json
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
 import pyarrow as pa
@@ -43,11 +43,21 @@ class Shard:
     bytes (it measures progress; reads go by rows)."""
     byte_stop: int = 0
     """JSONL: byte offset just past line `stop - 1`. Parquet: as byte_start."""
+    lora_each: bool = False
+    """lora.each: this unit is the rows under one adapter (`adapter`; "" = the base model)."""
+    adapter: str = ""
+    """With lora_each: the adapter its rows run under ("" = the base model)."""
 
     @property
     def key(self) -> str:
-        """Stable identity of the shard: the same input and shard settings give the same keys."""
-        return hashlib.sha1(f"{self.name}\0{self.start}\0{self.stop}".encode()).hexdigest()[:20]
+        """Stable identity of the shard: the same input and shard settings give the same keys (a
+        lora.each unit's key adds its adapter's name, so an adapter added later gets new keys)."""
+        lora = f"\0lora\0{self.adapter}" if self.lora_each else ""
+        return hashlib.sha1(f"{self.name}\0{self.start}\0{self.stop}{lora}".encode()).hexdigest()[:20]
+
+    def under_adapters(self, names: list[str], include_base: bool) -> list["Shard"]:
+        """lora.each: one unit of this shard per adapter (the base model's first with include_base)."""
+        return [replace(self, lora_each=True, adapter=n) for n in ([""] if include_base else []) + sorted(names)]
 
     @classmethod
     def from_batch(cls, batch: dict) -> list["Shard"]:

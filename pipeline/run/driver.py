@@ -19,6 +19,7 @@ from engine.api import one_line
 from pipeline.errors import InputError, JobError, LockHeld, OutputConflict, ResourceError
 from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact_spec
 from pipeline.run import chaos
+from pipeline.run.adapters import adapters_conflict, check_adapters, with_adapters
 from pipeline.run.dataflow import execute
 from pipeline.run.manifest import build_manifest, final_files
 from pipeline.run.planner import ShardPlan, new_plan_record, plan_blocks, shard_plan
@@ -61,10 +62,12 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     (plain lines). `log_to_driver`: whether a Ray this starts prints its workers' output here."""
     if isinstance(job, dict):
         job = Job.from_dict(job)
+    job = with_adapters(job)
     spec = job.spec
     progress = as_progress(progress)
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     files = preflight(spec)
+    adapters = check_adapters(spec)
     run = RunRecord.start(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
     lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,
                    on_heartbeat=lambda: out.write_run(run))
@@ -77,13 +80,23 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     try:
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
-        return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress)
+        return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress,
+                           adapters)
     finally:
         lock.release()
 
 
-def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress) -> JobResult:
+def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress,
+                adapters: dict[str, str]) -> JobResult:
     record = _claim_output(out, job, overwrite)
+    conflict = adapters_conflict(job.spec.output.path, record.get("adapters"), adapters)
+    if conflict:
+        raise OutputConflict(conflict)
+    if adapters and record.get("adapters") != adapters:
+        if record.get("adapters") is not None:
+            out.reopen()  # an adapter was added: its rows are still to compute
+        record["adapters"] = adapters
+        out.write_json("_job.json", record)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()

@@ -7,11 +7,11 @@ import time
 
 from engine import __version__
 from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact_spec
-from pipeline.run.metrics import write_metrics
+from pipeline.run.metrics import MetricsAccumulator, write_metrics
 from pipeline.run.openai_files import write_batch_files
 from pipeline.run.sample_metrics import SampleMetrics
 from pipeline.run.report import PartTotals, usage
-from pipeline.spec import Job, JobSpec, reports_metrics
+from pipeline.spec import ADAPTER, Job, JobSpec, reports_metrics
 
 
 def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
@@ -25,7 +25,13 @@ def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
             samples = SampleMetrics(ev.metrics, spec.sampling.n, ev.k, reference_column=ev.reference_column,
                                     group_column=ev.group_column, normalize=ev.normalize.model_dump(),
                                     answer_regex=ev.answer_regex)
-        extra["metrics"] = write_metrics(out, entries(out, {"index": index}), ev.metrics, ev.group_column, samples)
+        by_adapter = None
+        if spec.lora.active:
+            by_adapter = MetricsAccumulator(ev.metrics, ADAPTER, SampleMetrics(
+                ev.metrics, spec.sampling.n, ev.k, reference_column=ev.reference_column, group_column=ADAPTER,
+                normalize=ev.normalize.model_dump(), answer_regex=ev.answer_regex) if spec.sampling.n > 1 else None)
+        extra["metrics"] = write_metrics(out, entries(out, {"index": index}), ev.metrics, ev.group_column, samples,
+                                         by_adapter)
     if out.format == "openai_batch":
         extra["openai_batch"] = write_batch_files(out, entries(out, {"index": index}))
     return extra

@@ -186,11 +186,21 @@ def compute_metrics(tables: Iterable[pa.Table], metrics: Sequence[str], group_co
 
 
 def write_metrics(out: OutputDir, parts: Iterable[dict], metrics: Sequence[str], group_column: str | None,
-                  samples: SampleMetrics | None = None) -> dict:
+                  samples: SampleMetrics | None = None, by_adapter: MetricsAccumulator | None = None) -> dict:
     """metrics.json of a complete job, over its committed parts (index entries). Returns what the
-    manifest says of it: mean, count and ci95 per metric, and per "<metric> pass@k" / "maj@n"."""
-    # an empty shard's part has no score columns to read
-    result = compute_metrics((out.read_part(p["shard"]) for p in parts if p["rows"]), metrics, group_column, samples)
+    manifest says of it: mean, count and ci95 per metric, and per "<metric> pass@k" / "maj@n".
+    `by_adapter` (a LoRA job: grouped by its adapter column) adds `adapters`: the same figures per
+    adapter (the base model's under "null"), beside the groups, so one table compares the fine-tunes."""
+    acc = MetricsAccumulator(metrics, group_column, samples)
+    for p in parts:
+        if p["rows"]:  # an empty shard's part has no score columns to read
+            table = out.read_part(p["shard"])
+            acc.add(table)
+            if by_adapter is not None:
+                by_adapter.add(table)
+    result = acc.result()
+    if by_adapter is not None:
+        result["adapters"] = by_adapter.result()["groups"]
     out.write_json("metrics.json", result)
     summary = {}
     for name, m in result["metrics"].items():

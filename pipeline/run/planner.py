@@ -112,7 +112,8 @@ def plan_units(files: list, segment_bytes: int | None = None) -> list[Unit]:
 
 SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format", pa.string()),
                           ("start", pa.int64()), ("stop", pa.int64()), ("byte_start", pa.int64()),
-                          ("byte_stop", pa.int64()), ("committed", pa.string())])
+                          ("byte_stop", pa.int64()), ("lora_each", pa.bool_()), ("adapter", pa.string()),
+                          ("committed", pa.string())])
 """A planned shard as a Ray Data row; `committed` = its commit record (JSON) if already done, else ""."""
 
 
@@ -187,6 +188,8 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, se
         local, lines = plan_segment(storage, u.path, u.name, u.start, u.stop, plan.rows, plan.bytes, attempts=5)
         before = ray.get(sequencer.offset.remote(u.name, u.segment, lines))
         shards += [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
+    if spec.lora.each:  # every row under every adapter: a unit of work (and of commit) per shard and adapter
+        shards = [u for s in shards for u in s.under_adapters(list(spec.lora.adapters), spec.lora.include_base)]
     committed = [_committed(out, s) if resume else "" for s in shards]
     _record(out, units, shards, time.perf_counter() - started)
     columns = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names[:-1]}

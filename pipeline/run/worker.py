@@ -97,7 +97,7 @@ class ShardWorker(EngineActor):
         read = time.perf_counter()
         rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
         ids = self._ids(rows, ids, errors)
-        results, budgets = self._run_tasks(rows, ids, errors)
+        results, budgets = self._run_tasks(rows, ids, errors, shard.adapter if shard.lora_each else None)
         engine = time.perf_counter()
         lines = self.output.format == "openai_batch"  # one line per request, with its n choices
         table = (self._openai_lines(rows, ids, results) if lines
@@ -119,7 +119,7 @@ class ShardWorker(EngineActor):
         record.seconds = self.last_done - started
         return record
 
-    def _run_tasks(self, rows, ids, errors) -> tuple[list, list[int]]:
+    def _run_tasks(self, rows, ids, errors, adapter: str | None = None) -> tuple[list, list[int]]:
         """The task's results for the rows. Out of memory (accelerator or host) is not the job's
         failure: the engine is rebuilt with half its max_batch_tokens and the shard retried,
         up to MAX_OOM_HALVINGS times. Returns the records and the budgets retried at."""
@@ -128,7 +128,7 @@ class ShardWorker(EngineActor):
         while True:
             attempt = list(errors)  # the task marks failed rows in place; each try starts afresh
             try:
-                results = self.tasks.run(rows, ids, attempt)
+                results = self.tasks.run(rows, ids, attempt, adapter)
                 errors[:] = attempt
                 return results, budgets
             except RankError as exc:  # a tensor-parallel rank died or hung; the engine stopped them all

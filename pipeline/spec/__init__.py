@@ -7,6 +7,7 @@ from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LAB
                                    score_column)
 from pipeline.spec.fingerprint import ADDED_FIELDS
 from pipeline.spec.job import Job
+from pipeline.spec.lora import ADAPTER, LoRASpec
 from pipeline.spec.pooling import POOLING_TASKS, EmbedSpec, ScoreSpec, reports_metrics
 from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, schema_file_refs
 from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
@@ -16,4 +17,4 @@ __all__ = ["ADDED_FIELDS", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABE
            "SCHEMA_FILE_FIELDS", "SCORE_PREFIX", "EvalSpec", "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec",
            "SpecError", "StructuredOutputsSpec", "WorkersSpec", "check_metric_names", "check_metrics",
            "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate",
-           "POOLING_TASKS", "EmbedSpec", "ScoreSpec", "reports_metrics"]
+           "POOLING_TASKS", "EmbedSpec", "ScoreSpec", "reports_metrics", "ADAPTER", "LoRASpec"]

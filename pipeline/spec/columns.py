@@ -65,6 +65,8 @@ def output_columns(spec: JobSpec) -> list[str]:
     names += POOLING_COLUMNS.get(spec.task, [])
     if spec.task == "eval" or (spec.task == "classify" and spec.eval.reference_column):
         names += [score_column(m) for m in spec.eval.metrics]
+    if spec.lora.active:
+        names.insert(names.index("generated_text"), "adapter")
     return names
 
 

@@ -19,10 +19,10 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
                 ("sampling", "n"), ("sampling", "structured_outputs"), ("label", "json_schema"),
-                ("embed",), ("score",), ("engine", "pooling"))
+                ("embed",), ("score",), ("engine", "pooling"), ("lora",), ("engine", "enable_lora"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
-                    "distributed_timeout_s")
+                    "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
 (tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
 SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
@@ -62,6 +62,10 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False) -> str
     defaults = type(spec)(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
     for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
         values["eval"].pop("k")
+        # which adapters a job serves, and their files, are checked name by name against the output's
+        # _job.json (pipeline.run.adapters): an adapter added to a lora.each job computes only its rows
+        for key in ("adapters", "path", "storage_options"):
+            values["lora"].pop(key)
     for path in sorted(ADDED_FIELDS, key=len, reverse=True):
         *parents, leaf = path
         node, default = data, defaults

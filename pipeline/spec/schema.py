@@ -19,6 +19,7 @@ from engine.api import SamplingParams
 from pipeline.errors import SpecError
 from pipeline.spec.columns import check_metrics, output_columns
 from pipeline.spec.fingerprint import fingerprint
+from pipeline.spec.lora import LoRASpec, check_lora
 from pipeline.spec.pooling import EmbedSpec, ScoreSpec, check_pooling
 from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema
 
@@ -189,6 +190,7 @@ class JobSpec(_Section):
     eval: EvalSpec = Field(default_factory=EvalSpec, description="task: eval (and classify's accuracy).")
     embed: EmbedSpec = Field(default_factory=EmbedSpec, description="task: embed.")
     score: ScoreSpec = Field(default_factory=ScoreSpec, description="task: score.")
+    lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters, and which rows run under which.")
     max_error_rate: float = Field(
         0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
     seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
@@ -217,7 +219,9 @@ class JobSpec(_Section):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration for this job: its model and seed, and the engine section."""
-        return EngineConfig(model=self.model, seed=self.seed, **self.engine.model_dump())
+        engine = self.engine.model_dump()
+        engine["enable_lora"] = engine["enable_lora"] or self.lora.active
+        return EngineConfig(model=self.model, seed=self.seed, **engine)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written). A JSON
@@ -229,8 +233,6 @@ class JobSpec(_Section):
         versions gave it while they still counted SETTLED_FIELDS (as set, or with the
         max_prefill_tokens a user has since renamed max_num_batched_tokens, as its warning says)."""
         return {self.fingerprint(), fingerprint(self, settled=False), fingerprint(self, settled=False, alias=True)}
-
-
 
 
 def check_gpus(spec: JobSpec) -> None:
@@ -251,6 +253,7 @@ def check_task(spec: JobSpec) -> None:
     labels = bool(label.choices or label.choices_column or label.label_regex or label.json_schema is not None)
     check_structured(spec)
     check_pooling(spec)
+    check_lora(spec)
     if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
         raise ValueError("label.choices: give at least one non-empty choice")
     if label.choices and label.choices_column:

@@ -66,6 +66,8 @@ class RowResult:
     """task score: the pair's score (a cross-encoder's, or the cosine of two embeddings)."""
     pooled: list | None = None
     """An OpenAI Batch pooling line that ran: the engine's outputs of its inputs, in order."""
+    adapter: str | None = None
+    """With LoRA: the adapter the row ran under (None: the base model)."""
 
     def sample_results(self, n: int = 1) -> list[RowResult]:
         """The results of the row's output rows: its samples, or, for a row that drew none (it

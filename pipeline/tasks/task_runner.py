@@ -20,7 +20,7 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.api import PoolingParams, SamplingParams
+from engine.api import LoRARequest, PoolingParams, SamplingParams
 from engine.api import StructuredOutputsParams
 from pipeline.spec import INCOMPLETE, POOLING_TASKS
 from pipeline.tasks import scoring
@@ -73,11 +73,47 @@ class TaskRunner:
         info = getattr(engine, "pooling_info", None)
         self.embedding_width = (spec.embed.dimensions or info.width) if self.task == "embed" and info else None
         """task embed: the embedding column's fixed width (embed.dimensions, or the model's)."""
+        self.adapters = adapter_requests(spec.lora.adapters)
+        """With LoRA: adapter name -> LoRARequest (the spec's adapters, lora.path's listed in)."""
+        self.loras: list[LoRARequest | None] = []
+        """The current batch's adapter per row (run())."""
 
     # -- rows -> records ------------------------------------------------------------------------
 
-    def run(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[RowResult]:
-        """One result per row, in order; `errors[i]` set = the row failed before this stage."""
+    def run(self, rows: list[dict], ids: list[str], errors: list[str | None],
+            adapter: str | None = None) -> list[RowResult]:
+        """One result per row, in order; `errors[i]` set = the row failed before this stage.
+        `adapter`: every row runs under this adapter (a lora.each shard); else by lora.column."""
+        self.loras = self._row_adapters(rows, errors, adapter)
+        results = self._results(rows, ids, errors)
+        if self.adapters:
+            for result, lora in zip(results, self.loras):
+                for r in [result] + (result.samples or []):
+                    r.adapter = lora.lora_name if lora is not None else None
+        return results
+
+    def _row_adapters(self, rows: list[dict], errors: list[str | None], adapter: str | None) -> list:
+        """Each row's LoRARequest (None: the base model); an unknown adapter name is the row's error."""
+        if not self.adapters:
+            return [None] * len(rows)
+        if self.openai_input:  # body.model naming an adapter selects it (as vLLM serves them); else the base
+            return [self.adapters.get(_body_model(row)) if isinstance(_body_model(row), str) else None
+                    for row in rows]
+        if adapter is not None or not self.spec.lora.column:
+            return [self.adapters[adapter] if adapter else None] * len(rows)
+        out = []
+        for i, row in enumerate(rows):
+            out.append(None)
+            name = row.get(self.spec.lora.column)
+            if name is None or name == "" or name == self.spec.model:  # the base model
+                continue
+            if name in self.adapters:
+                out[-1] = self.adapters[name]
+            elif errors[i] is None:
+                errors[i] = f"unknown adapter {str(name)[:80]!r} (adapters: {', '.join(sorted(self.adapters))})"
+        return out
+
+    def _results(self, rows: list[dict], ids: list[str], errors: list[str | None]) -> list[RowResult]:
         results: list[RowResult | None] = [None] * len(rows)
         if self.pooling:
             self._pool(rows, errors, results)
@@ -91,7 +127,7 @@ class TaskRunner:
         if self.scoring:
             self._score(rows, todo, prompts, errors, results)
         else:
-            completions = self.engine.generate(prompts, params) if prompts else []
+            completions = self.engine.generate(prompts, params, **self._loras(todo)) if prompts else []
             for i, c, sp, req in zip(todo, completions, params, requests):
                 results[i] = _generated(c, sp, req, self.spec.sampling.n)
                 for result in results[i].sample_results():
@@ -157,6 +193,10 @@ class TaskRunner:
             requests.append(req)
         return todo, prompts, params, requests
 
+    def _loras(self, rows: list[int]) -> dict:
+        """The engine's lora_request for these rows, as keyword arguments (none when LoRA is off)."""
+        return {"lora_request": [self.loras[i] for i in rows]} if self.adapters else {}
+
     # -- embed, classify, score ------------------------------------------------------------------
 
     def _pool_lines(self, pooled, errors, results) -> None:
@@ -192,13 +232,14 @@ class TaskRunner:
             todo.append(i)
         if not todo:
             return
+        loras = self._loras(todo)
         if self.task == "embed":
             outs = self.engine.embed(inputs, PoolingParams(dimensions=self.spec.embed.dimensions,
-                                                           normalize=self.spec.embed.normalize))
+                                                           normalize=self.spec.embed.normalize), **loras)
         elif self.task == "classify":
-            outs = self.engine.classify(inputs)
+            outs = self.engine.classify(inputs, **loras)
         else:
-            outs = self.engine.score([a for a, _ in inputs], [b for _, b in inputs])
+            outs = self.engine.score([a for a, _ in inputs], [b for _, b in inputs], **loras)
         for i, out in zip(todo, outs):
             if out.error is not None:
                 errors[i] = out.error
@@ -227,7 +268,7 @@ class TaskRunner:
             run.append((i, choices))
             run_prompts.append(prompt)
             run_choices.append([prefix + c for c in choices])
-        scores = self.engine.score_choices(run_prompts, run_choices) if run else []
+        scores = self.engine.score_choices(run_prompts, run_choices, **self._loras([i for i, _ in run])) if run else []
         normalize = self.spec.label.length_normalize
         for (i, choices), sc in zip(run, scores):
             if sc.error:
@@ -297,6 +338,17 @@ class TaskRunner:
         for name, values in columns.items():
             for result, value in zip(results, values):
                 result.scores[name] = value
+
+
+def adapter_requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    """name -> LoRARequest; ids by sorted name, so every worker gives an adapter the same id."""
+    return {name: LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(sorted(adapters))}
+
+
+def _body_model(row: dict):
+    """An OpenAI Batch line's body.model (what names its adapter, as vLLM serves adapters)."""
+    body = row.get("body")
+    return body.get("model") if isinstance(body, dict) else None
 
 
 def _generated(c, sp, req, job_n: int = 1) -> RowResult:

@@ -131,3 +131,20 @@ def test_build_processor_rows_name_their_adapter_by_model(family):
     ds = ray.data.from_items([{"prompt": "hello", "model": m} for m in ("ft0", "ft2", str(base))])
     rows = processor(ds).take_all()
     assert [r["adapter"] for r in rows] == ["ft0", "ft2", None] and all(r["error"] is None for r in rows)
+
+
+def test_openai_batch_lines_name_their_adapter_by_body_model(family, tmp_path):
+    base, folder = family
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": m, "prompt": "hello", "max_tokens": 3, "temperature": 0}}
+             for i, m in enumerate(["ft0", "gpt-4o-mini", "ft1"])]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    spec = {"model": str(base), "input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"},
+            "output": {"path": str(tmp_path / "out"), "format": "jsonl"},
+            "lora": {"adapters": {"ft0": str(folder / "ft0"), "ft1": str(folder / "ft1")}}}
+    run_job(Job.of(validate(spec)), progress=lambda msg: None)
+    got = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert [got[f"r{i}"]["adapter"] for i in range(3)] == ["ft0", None, "ft1"]
+    assert all(got[f"r{i}"]["error"] is None for i in range(3))
+    assert got["r0"]["generated_text"] != got["r1"]["generated_text"] or got["r2"]["generated_text"] != got["r1"][
+        "generated_text"]

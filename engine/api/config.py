@@ -124,10 +124,9 @@ class EngineConfig:
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = 2 * self.max_loras
-        _positive("max_cpu_loras", self.max_cpu_loras)
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None:
+            _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.pooling is not None:
             chosen = PoolerConfig.from_value(self.pooling)

@@ -68,7 +68,7 @@ class LoRAModel:
         weights = read_adapter(request, self.config, self.targets)
         self.paths[request.lora_int_id] = (request.lora_name, request.lora_path)
         self.host[request.lora_int_id] = weights
-        while len(self.host) > self.config.max_cpu_loras:
+        while len(self.host) > (self.config.max_cpu_loras or 2 * self.config.max_loras):
             self.host.popitem(last=False)
         return weights
 

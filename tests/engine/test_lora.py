@@ -133,3 +133,28 @@ def test_bad_adapters_fail_their_rows_in_one_line_naming_them(family, tmp_path):
     assert outs[-1].error is None  # the base model's row goes on
     seq = LLMEngine(EngineConfig(model=str(base))).add_request([5, 6], None, requests["qv"])
     assert seq.finish_reason == "error" and seq.error == "adapter qv: LoRA is not enabled (set enable_lora)"
+
+
+def test_tensor_parallel_ranks_shard_each_adapter_as_its_layer(family, tmp_path):
+    """Two CPU ranks (gloo): adapters on column- and row-parallel projections give one process's tokens."""
+    base, adapters, requests = family
+    rows, loras = prompts(6), [None, requests["all"], requests["qv"], requests["mlp"], requests["all"], None]
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    one = LLMEngine(EngineConfig(model=str(base), enable_lora=True)).generate(rows, sp, lora_request=loras)
+    with LLMEngine(EngineConfig(model=str(base), enable_lora=True, tensor_parallel_size=2)) as llm:
+        two = llm.generate(rows, sp, lora_request=loras)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] and all(o.error is None for o in two)
+
+
+def test_a_quantized_base_takes_adapters_in_its_dtype(family):
+    base, adapters, requests = family
+    rows = prompts(4)
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True, quantization="int8"))
+    plain = llm.generate(rows, sp)
+    adapted = llm.generate(rows, sp, lora_request=requests["all"])
+    assert all(o.error is None for o in adapted)
+    assert all(a.token_ids != p.token_ids for a, p in zip(adapted, plain))  # the adapter acts on int8 layers
+    layers = [m for m in llm.runner.model.modules() if type(m).__name__ == "LoRALinear"]
+    assert layers and all(type(m.base).__name__ != "Linear" for m in layers)
+    assert all(a is None or a.dtype == llm.runner.dtype for m in layers for a in m.a)

@@ -126,9 +126,10 @@ def _encoded(vector: list[float], as_base64: bool):
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
-def run_lines(engine, requests: list[PoolingRequest]) -> list[tuple[list | None, str | None]]:
+def run_lines(engine, requests: list[PoolingRequest], loras: list | None = None) -> list[tuple[list | None, str | None]]:
     """Runs every line's inputs (one engine call per kind); per line, (its outputs, None) or
-    (None, why it failed: the first failed input's error, or what the model cannot serve)."""
+    (None, why it failed: the first failed input's error, or what the model cannot serve).
+    `loras`: with LoRA, each line's LoRARequest (None: the base model)."""
     from engine.api import ModelLoadError, PoolingParams
 
     results: list[tuple[list | None, str | None]] = [(None, None)] * len(requests)
@@ -137,12 +138,13 @@ def run_lines(engine, requests: list[PoolingRequest]) -> list[tuple[list | None,
         if not lines:
             continue
         flat = [(i, item) for i in lines for item in requests[i].inputs]
+        lora = {} if loras is None else {"lora_request": [loras[i] for i, _ in flat]}
         try:
             if kind == "embed":
                 outs = engine.embed([item for _, item in flat],
-                                    [PoolingParams(dimensions=requests[i].dimensions) for i, _ in flat])
+                                    [PoolingParams(dimensions=requests[i].dimensions) for i, _ in flat], **lora)
             else:
-                outs = engine.score([a for _, (a, _) in flat], [b for _, (_, b) in flat])
+                outs = engine.score([a for _, (a, _) in flat], [b for _, (_, b) in flat], **lora)
         except (ModelLoadError, AttributeError) as exc:  # a model that cannot serve the endpoint
             message = str(exc) if isinstance(exc, ModelLoadError) else f"{kind}: this engine cannot pool"
             for i in lines:

@@ -201,7 +201,8 @@ class TaskRunner:
 
     def _pool_lines(self, pooled, errors, results) -> None:
         """OpenAI Batch /v1/embeddings, /v1/score and /v1/rerank lines: each line's outputs, or its error."""
-        for (i, req), (outs, error) in zip(pooled, run_lines(self.engine, [r.pooling for _, r in pooled])):
+        for (i, req), (outs, error) in zip(pooled, run_lines(self.engine, [r.pooling for _, r in pooled],
+                                                         self._loras([i for i, _ in pooled]).get("lora_request"))):
             if error is not None:
                 errors[i] = error
                 results[i] = RowResult(error=error, ran=True, request=req)

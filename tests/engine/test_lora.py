@@ -158,3 +158,41 @@ def test_a_quantized_base_takes_adapters_in_its_dtype(family):
     layers = [m for m in llm.runner.model.modules() if type(m).__name__ == "LoRALinear"]
     assert layers and all(type(m.base).__name__ != "Linear" for m in layers)
     assert all(a is None or a.dtype == llm.runner.dtype for m in layers for a in m.a)
+
+
+def test_embeddings_under_an_adapter_equal_the_merged_models(family, tmp_path):
+    """The pooling calls take lora_request too: a decoder's last-token embedding under an adapter."""
+    base, adapters, requests = family
+    model = merged(base, adapters["all"])
+    model.save_pretrained(tmp_path / "merged")
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp_path / "merged" / f.name)
+    rows = prompts(5)
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True))
+    got = llm.embed(rows, lora_request=[requests["all"], None, requests["all"], None, requests["all"]])
+    want = LLMEngine(EngineConfig(model=str(tmp_path / "merged"))).embed(rows)
+    plain = llm.embed(rows)
+    for i, (g, w, p) in enumerate(zip(got, want, plain)):
+        assert g.error is None
+        assert g.embedding == pytest.approx(w.embedding if i % 2 == 0 else p.embedding, abs=1e-5)
+    assert got[0].embedding != pytest.approx(plain[0].embedding, abs=1e-3)
+
+
+def test_openai_batch_embedding_lines_take_the_adapter_their_model_names(family, tmp_path):
+    from pipeline.spec import validate
+    from pipeline.tasks import TaskRunner
+
+    base, adapters, requests = family
+    spec = validate({"model": str(base), "input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"},
+                     "output": {"path": str(tmp_path / "out"), "format": "openai_batch"},
+                     "lora": {"adapters": {"all": str(adapters["all"])}}})
+    llm = LLMEngine(spec.engine_config())
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": m, "input": [5, 6, 7]}}
+             for i, m in enumerate(["all", "base-model"])]
+    runner = TaskRunner(spec, llm)
+    results = runner.run(lines, ["e0", "e1"], [None, None])
+    assert [r.adapter for r in results] == ["all", None] and all(r.error is None for r in results)
+    want = [llm.embed([[5, 6, 7]], lora_request=requests["all"])[0].embedding, llm.embed([[5, 6, 7]])[0].embedding]
+    for r, w in zip(results, want):
+        assert r.pooled[0].embedding == pytest.approx(w, abs=1e-6)

@@ -179,7 +179,7 @@ def test_embeddings_under_an_adapter_equal_the_merged_models(family, tmp_path):
     assert got[0].embedding != pytest.approx(plain[0].embedding, abs=1e-3)
 
 
-def test_openai_batch_embedding_lines_take_the_adapter_their_model_names(family, tmp_path):
+def test_openai_batch_lines_take_the_adapter_their_body_model_names(family, tmp_path):
     from pipeline.spec import validate
     from pipeline.tasks import TaskRunner
 
@@ -190,9 +190,17 @@ def test_openai_batch_embedding_lines_take_the_adapter_their_model_names(family,
     llm = LLMEngine(spec.engine_config())
     lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": m, "input": [5, 6, 7]}}
              for i, m in enumerate(["all", "base-model"])]
+    lines += [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+               "body": {"model": m, "prompt": "abc", "max_tokens": MAX_NEW, "temperature": 0}}
+              for i, m in enumerate(["all", "gpt-4o-mini"])]
     runner = TaskRunner(spec, llm)
-    results = runner.run(lines, ["e0", "e1"], [None, None])
-    assert [r.adapter for r in results] == ["all", None] and all(r.error is None for r in results)
+    results = runner.run(lines, ["e0", "e1", "c0", "c1"], [None] * 4)
+    assert [r.adapter for r in results] == ["all", None, "all", None]
+    assert [r.error for r in results] == [None] * 4
     want = [llm.embed([[5, 6, 7]], lora_request=requests["all"])[0].embedding, llm.embed([[5, 6, 7]])[0].embedding]
     for r, w in zip(results, want):
         assert r.pooled[0].embedding == pytest.approx(w, abs=1e-6)
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    outs = [llm.generate(["abc"], sp, lora_request=lr)[0] for lr in (requests["all"], None)]
+    assert outs[0].token_ids != outs[1].token_ids
+    assert [r.generated_text for r in results[2:]] == [o.text for o in outs]

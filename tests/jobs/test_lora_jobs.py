@@ -133,6 +133,7 @@ def test_build_processor_rows_name_their_adapter_by_model(family):
     assert [r["adapter"] for r in rows] == ["ft0", "ft2", None] and all(r["error"] is None for r in rows)
 
 
+@pytest.mark.slow  # fast sibling: tests/engine/test_lora.py's OpenAI lines through TaskRunner
 def test_openai_batch_lines_name_their_adapter_by_body_model(family, tmp_path):
     base, folder = family
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",

@@ -205,6 +205,14 @@ def report_table(data: dict) -> str:
         for name, w in sorted(workers.items()):
             lines.append(f"{name[:24].ljust(24)} {w['shards']:>7} {w['rows']:>9} {w['generated_tokens']:>10} "
                          f"{w['seconds']:>9.1f} {w['tokens_per_second']:>8.1f}")
+    adapters = data.get("adapters", {})
+    if adapters:  # metrics.json's per-adapter figures: one table compares the fine-tunes
+        metrics = [m for m in next(iter(adapters.values())) if m != "rows"]
+        lines += ["", f"{'adapter'.ljust(24)} {'rows':>9} " + " ".join(f"{m[:14]:>14}" for m in metrics)]
+        for name, a in sorted(adapters.items(), key=lambda kv: (kv[0] != "null", kv[0])):  # the base first
+            shown = "(base model)" if name == "null" else name[:24]
+            lines.append(f"{shown.ljust(24)} {a['rows']:>9} " + " ".join(
+                f"{a[m]:>14.4f}" if isinstance(a[m], (int, float)) else f"{'-':>14}" for m in metrics))
     return "\n".join(lines)
 
 

@@ -98,6 +98,10 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
     price = job["spec"].get("report", {}).get("price_per_hour")
     if out.is_complete() and manifest and "index" in manifest:
         data = build_report(out, map(CommitRecord.from_dict, entries(out, manifest)), price)
+        metrics = out.read_json("metrics.json") or {}
+        if metrics.get("adapters"):  # a LoRA job: each metric's mean per adapter, to compare the fine-tunes
+            data["adapters"] = {name: {"rows": group["rows"], **{m: v.get("mean") for m, v in group["metrics"].items()}}
+                                for name, group in metrics["adapters"].items()}
         return {"output": url, "status": "complete", "shards_committed": data["shards"]["count"],
                 "shards_planned": data["shards"]["count"], **data}
     keys = sorted(out.done_keys())

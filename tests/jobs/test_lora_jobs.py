@@ -96,6 +96,16 @@ def test_each_gives_one_row_per_id_and_adapter_with_metrics_per_adapter(family, 
     assert result.rows == 8 and sorted(Counter(out["adapter"].to_pylist()).items(), key=str) == [("ft1", 4), (None, 4)]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert {k: v["rows"] for k, v in metrics["adapters"].items()} == {"ft1": 4, "null": 4}
+    from click.testing import CliRunner
+
+    from jobs.cli import main
+
+    report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert report.exit_code == 0, report.output
+    table = report.output.split("adapter", 1)[1].splitlines()
+    assert table[0].split() == ["rows", "contains"] and table[1].split()[0] == "(base" and table[2].split()[:2] == [
+        "ft1", "4"]
+    assert float(table[2].split()[2]) == metrics["adapters"]["ft1"]["metrics"]["contains"]["mean"]
 
 
 def test_a_column_routes_rows_and_a_bad_adapter_is_fatal_at_preflight(family, tmp_path):

@@ -356,20 +356,14 @@ class LLMEngine:
     def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
-        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
-        return self.adapters.per_adapter(
-            per_prompt_lora(lora_request, len(prompts)),
-            lambda rows: self.pooler.embed([prompts[i] for i in rows], [params[i] for i in rows]),
-            lambda message: EmbeddingOutput([], 0, message))
+        return self._pool_rows(self.pooler.embed, prompts, pooling_params, lora_request,
+                               lambda message: EmbeddingOutput([], 0, message))
 
     def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ClassificationOutput]:
         """Class probabilities (and the most probable id2label name) per prompt, in input order."""
-        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
-        return self.adapters.per_adapter(
-            per_prompt_lora(lora_request, len(prompts)),
-            lambda rows: self.pooler.classify([prompts[i] for i in rows], [params[i] for i in rows]),
-            lambda message: ClassificationOutput([], None, 0, message))
+        return self._pool_rows(self.pooler.classify, prompts, pooling_params, lora_request,
+                               lambda message: ClassificationOutput([], None, 0, message))
 
     def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
               lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoringOutput]:
@@ -379,3 +373,10 @@ class LLMEngine:
             per_prompt_lora(lora_request, len(firsts)),
             lambda rows: self.pooler.score([firsts[i] for i in rows], [seconds[i] for i in rows], pooling_params),
             lambda message: ScoringOutput(None, 0, message))
+
+    def _pool_rows(self, task, prompts, pooling_params, lora_request, failed) -> list:
+        """embed / classify: the pooler's `task` over the prompts, once per adapter they run under."""
+        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
+        return self.adapters.per_adapter(per_prompt_lora(lora_request, len(prompts)),
+                                         lambda rows: task([prompts[i] for i in rows], [params[i] for i in rows]),
+                                         failed)

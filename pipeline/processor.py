@@ -86,10 +86,10 @@ class RowWorker(EngineActor):
         if not self.spec.lora.each:
             results = self.tasks.run(rows, ids, [None] * len(rows))
             return output_table(self.spec, rows, ids, results, self.tasks.embedding_width)
-        lora = self.spec.lora  # every row under every adapter (and the base model with include_base)
+        # every row under every adapter (and the base model with include_base)
         tables = [output_table(self.spec, rows, ids, self.tasks.run(rows, ids, [None] * len(rows), name),
                                self.tasks.embedding_width)
-                  for name in ([""] if lora.include_base else []) + sorted(lora.adapters)]
+                  for name in self.spec.lora.each_adapters]
         return pa.concat_tables(tables)
 
 

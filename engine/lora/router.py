@@ -43,6 +43,8 @@ class AdapterRouter:
                     failed: Callable[[str], object]) -> list:
         """Runs `call(indices)` once per adapter (the base model's rows first), each under its slot;
         returns one result per row in order. Rows of an adapter that cannot be used get `failed(message)`."""
+        if not requests:  # the call's own checks still run (a model that cannot serve it is refused)
+            return call([])
         groups: dict[int | None, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(None if r is None else r.lora_int_id, []).append(i)

@@ -55,9 +55,9 @@ class Shard:
         lora = f"\0lora\0{self.adapter}" if self.lora_each else ""
         return hashlib.sha1(f"{self.name}\0{self.start}\0{self.stop}{lora}".encode()).hexdigest()[:20]
 
-    def under_adapters(self, names: list[str], include_base: bool) -> list["Shard"]:
-        """lora.each: one unit of this shard per adapter (the base model's first with include_base)."""
-        return [replace(self, lora_each=True, adapter=n) for n in ([""] if include_base else []) + sorted(names)]
+    def under_adapters(self, names: list[str]) -> list["Shard"]:
+        """lora.each: one unit of this shard per adapter name ("" = the base model)."""
+        return [replace(self, lora_each=True, adapter=n) for n in names]
 
     @classmethod
     def from_batch(cls, batch: dict) -> list["Shard"]:

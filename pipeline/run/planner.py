@@ -189,7 +189,7 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, se
         before = ray.get(sequencer.offset.remote(u.name, u.segment, lines))
         shards += [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
     if spec.lora.each:  # every row under every adapter: a unit of work (and of commit) per shard and adapter
-        shards = [u for s in shards for u in s.under_adapters(list(spec.lora.adapters), spec.lora.include_base)]
+        shards = [u for s in shards for u in s.under_adapters(spec.lora.each_adapters)]
     committed = [_committed(out, s) if resume else "" for s in shards]
     _record(out, units, shards, time.perf_counter() - started)
     columns = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names[:-1]}

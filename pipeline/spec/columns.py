@@ -9,6 +9,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pipeline.spec.lora import ADAPTER
+
 if TYPE_CHECKING:
     from pipeline.spec.schema import JobSpec
 
@@ -66,7 +68,7 @@ def output_columns(spec: JobSpec) -> list[str]:
     if spec.task == "eval" or (spec.task == "classify" and spec.eval.reference_column):
         names += [score_column(m) for m in spec.eval.metrics]
     if spec.lora.active:
-        names.insert(names.index("generated_text"), "adapter")
+        names.insert(names.index("generated_text"), ADAPTER)
     return names
 
 

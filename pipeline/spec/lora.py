@@ -41,6 +41,11 @@ class LoRASpec(BaseModel):
     def active(self) -> bool:
         return bool(self.adapters or self.path)
 
+    @property
+    def each_adapters(self) -> list[str]:
+        """lora.each: the adapters every row runs under, in order ("" = the base model, first)."""
+        return ([""] if self.include_base else []) + sorted(self.adapters)
+
 
 def check_lora(spec: JobSpec) -> None:
     """The section's rules (one message naming the keys)."""

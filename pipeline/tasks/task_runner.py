@@ -97,8 +97,7 @@ class TaskRunner:
         if not self.adapters:
             return [None] * len(rows)
         if self.openai_input:  # body.model naming an adapter selects it (as vLLM serves them); else the base
-            return [self.adapters.get(_body_model(row)) if isinstance(_body_model(row), str) else None
-                    for row in rows]
+            return [self.adapters.get(m) if isinstance(m, str) else None for m in map(_body_model, rows)]
         if adapter is not None or not self.spec.lora.column:
             return [self.adapters[adapter] if adapter else None] * len(rows)
         out = []

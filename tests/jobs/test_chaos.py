@@ -79,4 +79,7 @@ def test_scenario_fires_and_loses_and_duplicates_nothing(name, started):
     if name == "node removed while listing":
         assert evidence["listed_before_removal"] and evidence["inits_before_removal"] == 0, report
         assert evidence["inits_after_removal"] > 0, report
-    assert report["fired"] and report["ok"] and done.returncode == 0, report
+    logs = sorted(tmp_path.glob("*/job.log"))
+    tail = logs[0].read_text()[-3000:] if logs else done.stderr[-3000:]
+    assert report["fired"] and report["ok"] and done.returncode == 0, \
+        f"{report['outcome']} (fired {report['fired']}, harness exit {done.returncode}); the job's log ends:\n{tail}"

@@ -22,7 +22,7 @@ from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, BatchSt
                         Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
                         EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
                         PoolSizingError, RankError, Sample, SamplingParams, ScoringOutput, StructuredOutputsParams,
-                        one_line)
+                        VIOLATION, one_line)
 
 def __getattr__(name: str):
     """LLMEngine and EchoEngine (with ECHO_MODEL) are imported on first use."""
@@ -37,7 +37,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "Completion", "Sample",
+__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "VIOLATION", "Completion", "Sample",
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
            "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",

@@ -28,9 +28,9 @@ from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_b
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
-from engine.sample.grammar import GrammarBackend
 from engine.sample.sampler import Sampler
 from engine.scoring import score_choices
+from engine.structured import GrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class LLMEngine:
         self.stats = StatsCollector()
         """Figures of the batch running now; closed ones go to batch_stats."""
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
-        self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids,
+                                      backend=config.structured_outputs_backend)
         """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
@@ -266,6 +267,7 @@ class LLMEngine:
         if constrained:
             self.grammar.stop_whole_at_length(finished)
             finished += self._grammar_complete([s for s in constrained if s.finish_reason is None])
+            self.grammar.check(finished)
         self.scheduler.finish(finished)
         self.batch.remove(finished)
         return finished

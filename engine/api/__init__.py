@@ -9,10 +9,10 @@ from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, 
                                 ScoringOutput)
 from engine.api.pooling import POOLING_TASKS, POOLING_TYPES, PoolerConfig, PoolingParams
 from engine.api.sampling_params import MAX_N, SamplingParams
-from engine.api.structured_outputs import KINDS, StructuredOutputsParams
+from engine.api.structured_outputs import KINDS, VIOLATION, StructuredOutputsParams
 
 __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES", "auto_dtype",
-           "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS",
+           "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS", "VIOLATION",
            "Completion", "Sample", "BatchStats", "ChoiceScores",
            "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingParams", "PoolerConfig", "POOLING_TYPES",
            "POOLING_TASKS", "LoRARequest", "per_prompt_lora",

@@ -10,6 +10,7 @@ from engine.api.pooling import PoolerConfig
 SCHEDULING_MODES = ("static", "continuous")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
 CPU_POOL_TOKENS = 8192
 """The KV pool's tokens on CPU (and on any device without a memory figure) when max_batch_tokens is None."""
 
@@ -87,6 +88,8 @@ class EngineConfig:
     """With enable_lora: the highest adapter rank accepted (vLLM's name)."""
     max_cpu_loras: int | None = None
     """With enable_lora: adapters kept loaded on the host; None = 2 x max_loras (vLLM's name)."""
+    structured_outputs_backend: str = "auto"
+    """Structured outputs: auto (per JSON Schema, the backend that enforces the most of its keywords), xgrammar or guidance (llguidance); every output is checked after generation either way (vLLM's names)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
@@ -114,6 +117,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be null, int8 or fp8, got {self.quantization!r}")
+        if self.structured_outputs_backend not in STRUCTURED_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling not in SCHEDULING_MODES:

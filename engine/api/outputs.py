@@ -22,7 +22,8 @@ class Sample:
     logprobs: list[dict[int, float]] | None = None
     """Per generated token: {token_id: logprob}, when asked."""
     error: str | None = None
-    """Why the sample failed, when finish_reason is "error"."""
+    """Why the sample failed, when finish_reason is "error"; or, with finish_reason "stop", how its
+    structured output breaks its constraint (it starts with VIOLATION)."""
     num_cached_tokens: int = 0
     """Prompt tokens this sample found in the prefix cache (a sibling sample that computed the
     prompt first leaves it all cached for the others)."""
@@ -47,7 +48,9 @@ class Completion:
     num_prompt_tokens: int
     """Tokens in the prompt as the model saw it (0 when the prompt could not be tokenized)."""
     error: str | None = None
-    """Why the request failed, when finish_reason is "error"; else None."""
+    """Why the request failed, when finish_reason is "error"; or, with finish_reason "stop", how its
+    structured output breaks its constraint (it starts with VIOLATION, e.g. "structured output
+    does not satisfy the schema at $.side_length: 'side_length' is a required property"); else None."""
     logprobs: list[dict[int, float]] | None = None
     """Per generated token: {token_id: logprob} for the chosen token and the top-N, when asked."""
     stop_reason: str | int | None = None

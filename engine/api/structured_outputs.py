@@ -1,11 +1,15 @@
 """What a constrained request asks for (vLLM's `StructuredOutputsParams`). No torch, no xgrammar:
-specs and sampling parameters import it anywhere; `engine.sample.grammar` compiles it."""
+specs and sampling parameters import it anywhere; `engine.structured` compiles and checks it."""
 from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass, fields
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+VIOLATION = "structured output "
+"""How the error of a finished constrained output that breaks its constraint begins (e.g.
+"structured output does not satisfy the schema at $.side_length: ..."): such a row keeps its
+finish_reason, and counts as failed wherever errors are counted."""
 
 
 @dataclass(frozen=True)

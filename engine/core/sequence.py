@@ -64,7 +64,7 @@ class Sequence:
     sample_index: int = 0
     """Which of its request's n samples this row is."""
     matcher: object | None = None
-    """xgrammar matcher of a constrained row (engine.sample.grammar); None otherwise."""
+    """The matcher of a constrained row (engine.structured.grammar.RowMatcher); None otherwise."""
     group: list["Sequence"] = field(default_factory=list)
     """On sample 0: every sample of the request, in order (empty for n = 1)."""
     lora: object | None = None

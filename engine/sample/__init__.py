@@ -1,9 +1,8 @@
 """Turning logits into tokens and rows into outputs: the running rows' sampling table, the sampler,
-structured-output grammars, logprobs, and the rules that finish a row (stop tokens and strings, length)."""
+logprobs, and the rules that finish a row (stop tokens and strings, length)."""
 from engine.sample.batch import Batch
 from engine.sample.finish import finish_rows, stop_string_hits
-from engine.sample.grammar import GrammarBackend
 from engine.sample.sampler import Sampler, SamplingFlags, SamplingTensors
 
-__all__ = ["Batch", "Sampler", "SamplingTensors", "SamplingFlags", "GrammarBackend", "finish_rows",
+__all__ = ["Batch", "Sampler", "SamplingTensors", "SamplingFlags", "finish_rows",
            "stop_string_hits"]

@@ -1,6 +1,6 @@
 """The engine's packages and the one direction of their imports, read from the code (ast):
 
-    api <- core <- {models, quantization, distributed} <- runner <- sample <- the top (llm_engine, ...)
+    api <- core <- {models, quantization, distributed} <- runner <- {sample, structured} <- the top (llm_engine, ...)
 
 (each may import only the packages its row in MAY_IMPORT names). api and core never import torch,
 transformers or a package that does; only runner, distributed and quantization import CUDA, Triton
@@ -27,6 +27,7 @@ MAY_IMPORT = {
     "runner": {"api", "core", "models", "quantization", "distributed", "lora"},
     "sample": {"api", "core", "models"},
     "pooling": {"api", "core", "models", "runner"},
+    "structured": {"api", "core"},
 }
 """The engine packages each package may import, besides itself; the top (llm_engine.py, scoring.py,
 echo.py and the face) may import any of them."""
@@ -103,7 +104,7 @@ def test_the_rule_catches_a_bad_import():
     assert check_one_way("engine.api.config", {"engine.models.tokenizer"})  # api imports no sibling
     assert check_one_way("engine.sample.sampler", {"engine.runner.attention"})  # sample does not run the model
     assert check_one_way("engine.runner.attention", {"engine.llm_engine"})  # nothing reaches up to the top
-    assert check_one_way("engine.sample.grammar", {"triton"})  # device code stays in the runner
+    assert check_one_way("engine.structured.grammar", {"triton"})  # device code stays in the runner
     assert not check_one_way("engine.runner.attention", {"engine.runner.kernels.triton_attention", "triton", "torch"})
 
 

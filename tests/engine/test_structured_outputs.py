@@ -138,7 +138,7 @@ def test_a_row_whose_grammar_completes_on_its_last_allowed_token_stops(engines):
 
 
 def test_the_compiled_grammar_cache_is_bounded(engines, monkeypatch):
-    import engine.sample.grammar as grammar
+    import engine.structured.grammar as grammar
 
     llm = engines("static")
     monkeypatch.setattr(grammar, "CACHE_ENTRIES", 3)
@@ -159,7 +159,7 @@ def test_the_cpu_bitmask_masks_exactly_what_xgrammars_kernel_does(rows, dtype):
     import torch
     import xgrammar
 
-    from engine.sample.grammar import apply_bitmask
+    from engine.structured import apply_bitmask
 
     vocab, padded, batch = 1000, 1024 + 16, 8
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,149 @@
+"""The check of every finished constrained output: what the grammar let through is parsed and
+validated again, so an output that breaks its constraint never passes as a success.
+
+A JSON Schema is validated with `jsonschema` (the validator of the schema's draft, compiled once
+per schema, formats checked); JSON must be strict (no NaN or Infinity), hold no number a double
+cannot hold and no lone surrogate escape. A regex must match the whole text, a choice be one
+of the choices, a grammar be accepted by the row's matcher. A violation is one line starting
+with VIOLATION, naming where and why: the row keeps its finish_reason and gets it as its error.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from engine.api.errors import ConstraintError
+from engine.api.structured_outputs import VIOLATION, StructuredOutputsParams
+
+MESSAGE_CHARS = 200
+"""Longest cause a violation quotes (the rest is cut with '...')."""
+
+
+def _short(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+class OutputCheck:
+    """The check of one constraint, built once and used for each of its rows."""
+
+    def __init__(self, params: StructuredOutputsParams):
+        self.kind = params.kind
+        self.validator = None
+        self.pattern = None
+        self.choices = None
+        if params.json is not None or params.json_object:
+            self.validator = _validator(params.json if params.json is not None else {"type": "object"})
+        elif params.regex is not None:
+            try:
+                self.pattern = re.compile(params.regex)
+            except re.error:
+                self.pattern = None  # a dialect Python's re does not read: the matcher's verdict stands
+        elif params.choice is not None:
+            self.choices = frozenset(params.choice)
+
+    def violation(self, text: str, accepted: bool) -> str | None:
+        """Why `text` breaks the constraint (one line starting with VIOLATION), or None. `accepted`:
+        the row's matcher accepted its whole output."""
+        if self.validator is not None:
+            return self._json_violation(text)
+        if self.choices is not None:
+            return None if text in self.choices else f"{VIOLATION}is not one of the choices: {_short(repr(text))}"
+        if self.pattern is not None:
+            return None if self.pattern.fullmatch(text) else f"{VIOLATION}does not match the regex: {_short(repr(text))}"
+        return None if accepted else f"{VIOLATION}is not accepted by the {self.kind}"
+
+    def _json_violation(self, text: str) -> str | None:
+        try:
+            value = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            return f"{VIOLATION}is not JSON: {_short(exc)}"
+        bad = _unholdable(value)
+        if bad is not None:
+            return bad
+        errors = list(self.validator.iter_errors(value))
+        if not errors:
+            return None
+        error = _closest(errors)
+        return f"{VIOLATION}does not satisfy the schema at {_where(error)}: {_short(error.message)}"
+
+
+def _closest(errors: list):
+    """The error to report: the most relevant (jsonschema's ranking); for an output that fits no
+    branch of a oneOf / anyOf, the error of the branch it came closest to (fewest errors), e.g.
+    {"shape": "square"} misses the square's side_length rather than not being a circle."""
+    from jsonschema.exceptions import relevance
+
+    error = max(errors, key=relevance)
+    while error.context:
+        branches: dict = {}
+        for sub in error.context:
+            branches.setdefault(sub.relative_schema_path[0] if sub.relative_schema_path else 0, []).append(sub)
+        error = max(min(branches.values(), key=len), key=relevance)
+    return error
+
+
+def _validator(schema):
+    import jsonschema
+    from jsonschema.exceptions import SchemaError
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except SchemaError as exc:
+        raise ConstraintError(f"structured_outputs.json: not a valid JSON Schema at "
+                              f"{_schema_where(exc)}: {_short(exc.message)}") from None
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _schema_where(exc) -> str:
+    return "/" + "/".join(map(str, exc.path)) if exc.path else "its root"
+
+
+def _where(error) -> str:
+    """The JSON path of a violation; for a missing required property, the property's own path."""
+    path = error.json_path
+    if error.validator == "required" and isinstance(error.instance, dict):
+        missing = next((p for p in error.validator_value if p not in error.instance), None)
+        if missing is not None:
+            return f"{path}.{missing}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(missing)) \
+                else f"{path}[{json.dumps(missing)}]"
+    return path
+
+
+def _unholdable(value, path: str = "$") -> str | None:
+    """A number a double cannot hold, or a string with a lone surrogate, anywhere in `value`."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{VIOLATION}holds a number a double cannot hold at {at}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            try:
+                float(v)
+            except OverflowError:
+                return f"{VIOLATION}holds a number a double cannot hold at {at}"
+        elif isinstance(v, str):
+            if _has_surrogate(v):
+                return f"{VIOLATION}holds a lone surrogate escape at {at}"
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _has_surrogate(k):
+                    return f"{VIOLATION}holds a lone surrogate escape in a key at {at}"
+                stack.append((x, f"{at}.{k}"))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

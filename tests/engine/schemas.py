@@ -47,3 +47,29 @@ SCHEMAS = [
     {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3},
     {"enum": ["alpha", "beta"]},
 ]
+
+FINDINGS = {
+    "anyOf with not": {"type": "object", "properties": {"a": I, "b": S}, "required": ["a"],
+                       "anyOf": [{"not": {"required": ["b"]}}, {"required": ["b"]}]},
+    "required in oneOf branches": {"oneOf": [
+        {"type": "object", "properties": {"shape": {"const": "square"}, "side_length": N},
+         "required": ["shape", "side_length"], "additionalProperties": False},
+        {"type": "object", "properties": {"shape": {"const": "circle"}, "radius": N},
+         "required": ["shape", "radius"], "additionalProperties": False}]},
+    "format date-time": obj({"at": {"type": "string", "format": "date-time"}}),
+    "pattern with maxLength": obj({"name": {"type": "string", "maxLength": 6, "pattern": "^[a-z]+$"}}),
+    "format with maxLength": obj({"mail": {"type": "string", "format": "email", "maxLength": 12}}),
+    "a number": obj({"x": N}),
+    "a string": obj({"s": S}),
+}
+"""The schemas of issue 33's findings: each once passed an invalid output off as a success."""
+
+
+def real_world_schemas() -> dict[str, dict]:
+    """tests/engine/data/schemas (JSONSchemaBench's public schemas; SOURCES.md names each one's
+    source and license), by file name."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "schemas"
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}

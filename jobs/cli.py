@@ -141,7 +141,7 @@ def validate(config, model, input_, output, overrides, verbose):
     with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         try:
             spec = with_adapters(Job(spec, "")).spec
-            files = preflight(spec)
+            files = preflight(spec, click.echo)
             check_adapters(spec)
             storage = Storage(spec.input.path, spec.input.storage_options)
             rows = shards = 0

@@ -66,7 +66,7 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     spec = job.spec
     progress = as_progress(progress)
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
-    files = preflight(spec)
+    files = preflight(spec, progress)
     adapters = check_adapters(spec)
     run = RunRecord.start(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
     lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,

@@ -6,8 +6,9 @@ torch-free `validate` of the schema cannot (xgrammar imports torch).
 """
 from __future__ import annotations
 
-from engine.api import EngineConfig
-from engine.api import ModelLoadError, one_line
+from collections.abc import Callable
+
+from engine.api import EngineConfig, ModelLoadError, one_line
 from engine.api import StructuredOutputsParams
 from pipeline.errors import InputError, JobError, TemplateError
 from pipeline.io import Storage, list_inputs, read_schema_columns
@@ -15,7 +16,7 @@ from pipeline.spec import JobSpec
 from pipeline.tasks import PromptBuilder
 
 
-def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
+def preflight(spec: JobSpec, say: Callable[[str], None] | None = None) -> list[tuple[str, str, str]]:
     """Raises JobError on inputs that cannot be listed or read, a template that does not parse,
     an input column the job needs that the first file lacks, or a model that will not load.
     Returns the input files."""
@@ -39,7 +40,9 @@ def preflight(spec: JobSpec) -> list[tuple[str, str, str]]:
     if builder.chat and not getattr(tokenizer, "chat_template", None):
         raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
                        "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
-    check_constraints(spec, tokenizer)
+    for line in check_constraints(spec, tokenizer):
+        if say is not None:
+            say(line)
     return files
 
 
@@ -53,23 +56,28 @@ def spec_constraints(spec: JobSpec) -> list[tuple[str, StructuredOutputsParams]]
     return found
 
 
-def check_constraints(spec: JobSpec, tokenizer) -> None:
+def check_constraints(spec: JobSpec, tokenizer) -> list[str]:
     """Compiles the job's grammars against `tokenizer`: JobError naming the key and the cause when
-    one is invalid or too slow to compile (engine.sample.grammar.COMPILE_TIMEOUT_S)."""
+    one is invalid or too slow to compile (engine.structured.COMPILE_TIMEOUT_S). Returns a line
+    per constraint: the backend that runs it and what is only checked after generation."""
     constraints = spec_constraints(spec)
     if not constraints:
-        return
-    from engine.sample import GrammarBackend  # imports torch and xgrammar: only when there is a grammar
+        return []
+    from engine.structured import GrammarBackend  # imports torch and xgrammar: only when there is a grammar
 
     eos = getattr(tokenizer, "eos_token_id", None)
-    backend = GrammarBackend(tokenizer, len(tokenizer), {eos} if isinstance(eos, int) else set())
+    backend = GrammarBackend(tokenizer, len(tokenizer), {eos} if isinstance(eos, int) else set(),
+                             backend=spec.engine.structured_outputs_backend)
+    lines = []
     for key, params in constraints:
+        where = f"{key}.{params.kind}" if key == "sampling.structured_outputs" else key
         try:
-            backend.compile(params)
+            compiled = backend.compile(params)
         except ValueError as exc:
             cause = str(exc).removeprefix(f"structured_outputs.{params.kind}: ")
-            where = f"{key}.{params.kind}" if key == "sampling.structured_outputs" else key
             raise JobError(f"{where}: {cause}") from None
+        lines.append(f"{where}: {compiled.route.note()}")
+    return lines
 
 
 def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:

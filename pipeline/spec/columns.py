@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.api import VIOLATION
 from pipeline.spec.lora import ADAPTER
 
 if TYPE_CHECKING:
@@ -28,15 +29,16 @@ POOLING_COLUMNS = {"embed": ["embedding"], "classify": ["class_label", "class_pr
 """Columns of the pooling tasks: a fixed-size list<float32> embedding, a label and its probabilities,
 a float64 score."""
 
-INCOMPLETE = "structured output incomplete: max_tokens reached"
+INCOMPLETE = VIOLATION + "incomplete: max_tokens reached"
 """The error of a constrained row cut by max_tokens before its structure closed (its finish_reason
 stays "length"): it counts as a failed row."""
 
 
 def is_failed(finish_reason: str | None, error: str | None) -> bool:
     """Whether an output row counts against max_error_rate: it failed, or its structured output is
-    incomplete (a note such as an unmatched label_regex does not count)."""
-    return finish_reason == "error" or error == INCOMPLETE
+    incomplete or breaks its constraint (engine's VIOLATION; a note such as an unmatched
+    label_regex does not count)."""
+    return finish_reason == "error" or (error or "").startswith(VIOLATION)
 
 METRICS = ("exact_match", "contains", "regex_match", "accuracy")
 """Metric names a spec may list under eval.metrics."""

@@ -19,7 +19,8 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("engine", "enforce_eager"), ("engine", "enable_prefix_caching"), ("engine", "prefix_cache_tokens"),
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
                 ("sampling", "n"), ("sampling", "structured_outputs"), ("label", "json_schema"),
-                ("embed",), ("score",), ("engine", "pooling"), ("lora",), ("engine", "enable_lora"))
+                ("embed",), ("score",), ("engine", "pooling"), ("lora",), ("engine", "enable_lora"),
+                ("engine", "structured_outputs_backend"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
                     "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras")

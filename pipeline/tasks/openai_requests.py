@@ -21,7 +21,7 @@ Body fields, by what happens to them:
 A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
 with two engine limits on top: top_p must be > 0 and seed must be >= 0. A body's JSON Schema is
 untrusted input: over MAX_SCHEMA_BYTES it is refused here, and the engine bounds the time its
-grammar may take to compile (engine.sample.grammar.COMPILE_TIMEOUT_S); either way only that request fails.
+grammar may take to compile (engine.structured.COMPILE_TIMEOUT_S); either way only that request fails.
 
 Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
 written by pipeline.run.openai_files.

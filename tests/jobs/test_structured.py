@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from engine import EngineConfig, LLMEngine
+from engine import VIOLATION, EngineConfig, LLMEngine
 from helpers import read_output, write_jsonl
 from jobs.cli import main
 from jobs.spec import load_spec
@@ -113,7 +113,43 @@ def test_grammars_compile_in_preflight_naming_key_and_cause(tiny):
         check_constraints(spec(task="label", label={"json_schema": bad}), tok)
 
 
+def test_preflight_says_per_constraint_which_backend_runs_it_and_what_is_checked_after(tiny):
+    tok = tiny.runner.hf_tokenizer
+    one_of = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]}}}
+    lines = check_constraints(spec(sampling={"structured_outputs": {"json": one_of}}), tok)
+    assert lines == ["sampling.structured_outputs.json: guidance enforces every keyword; outputs are validated "
+                     "after generation"]
+    pinned = spec(sampling={"structured_outputs": {"json": one_of}}, engine={"structured_outputs_backend": "xgrammar"})
+    assert check_constraints(pinned, tok) == ["sampling.structured_outputs.json: xgrammar; oneOf is enforced as "
+                                              "anyOf; outputs are validated after generation"]
+    assert check_constraints(spec(task="label", label={"json_schema": REVIEW}), tok) == [
+        "label.json_schema: xgrammar enforces every keyword; outputs are validated after generation"]
+
+
+def test_the_backend_counts_in_the_fingerprint_only_when_set():
+    plain = spec(sampling={"structured_outputs": {"regex": "a+"}})
+    same = spec(sampling={"structured_outputs": {"regex": "a+"}}, engine={"structured_outputs_backend": "auto"})
+    other = spec(sampling={"structured_outputs": {"regex": "a+"}}, engine={"structured_outputs_backend": "guidance"})
+    assert plain.fingerprint() == same.fingerprint() != other.fingerprint()
+
+
 # -- rows -------------------------------------------------------------------------------------------
+
+def test_a_row_that_breaks_its_constraint_is_an_error_that_keeps_its_finish_reason(tiny):
+    """A stop string inside the object ends it early: once a success, now a row error counted by
+    max_error_rate, with no label fields."""
+    rows = [{"prompt": f"Review {i}: fine."} for i in range(3)]
+    runner = TaskRunner(spec(task="label", label={"json_schema": REVIEW},
+                             sampling={"max_tokens": 64, "temperature": 0, "stop": [","]}), tiny)
+    results = runner.run(rows, ["0", "1", "2"], [None] * 3)
+    for r in results:
+        assert r.finish_reason == "stop" and r.error.startswith(f"{VIOLATION}is not JSON: "), r.error
+        assert r.label_fields is None and r.failed
+    table = pa.table({"finish_reason": [r.finish_reason for r in results], "error": [r.error for r in results],
+                      "num_prompt_tokens": [1] * 3, "num_generated_tokens": [3] * 3})
+    assert CommitRecord.counted(table).errors == 3
+
+
 
 def test_label_fields_are_typed_from_the_schema():
     schema = {"type": "object", "required": ["s", "i"], "$defs": {"tag": {"enum": ["a", "b"]}},
@@ -183,7 +219,8 @@ def test_openai_response_format_per_request(tiny):
                  "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(x"}}}}}}),
              line(4, {"response_format": {"type": "yaml"}}),
              line(5, {"response_format": {"type": "json_schema", "json_schema": {"schema": big}}}),
-             line(6, {"response_format": {"type": "json_schema", "json_schema": {**schema, "strict": "yes"}}})]
+             line(6, {"response_format": {"type": "json_schema", "json_schema": {**schema, "strict": "yes"}}}),
+             line(7, {"response_format": {"type": "json_schema", "json_schema": schema}, "stop": [","]})]
     assert parse_request(lines[0]).sampling["structured_outputs"] == {"json": REVIEW}
     job = spec(input={"path": "x", "format": "openai_batch"}, output={"path": "o", "format": "openai_batch"})
     runner = TaskRunner(job, _chat(tiny))
@@ -195,7 +232,8 @@ def test_openai_response_format_per_request(tiny):
     assert set(jsonschema_ok) <= set(REVIEW["properties"]) and jsonschema_ok["sentiment"] in ("pos", "neg")
     assert isinstance(json.loads(content[1]), dict) and content[2] is not None
     errors = {o["custom_id"]: o["error"] for o in out if o["error"]}
-    assert set(errors) == {"r3", "r4", "r5", "r6"}
+    assert set(errors) == {"r3", "r4", "r5", "r6", "r7"}
+    assert errors["r7"]["message"].startswith(f"{VIOLATION}is not JSON: ")  # cut by its stop string
     assert errors["r3"]["code"] == "invalid_request" and "structured_outputs.json" in errors["r3"]["message"]
     assert 'type must be "text", "json_object" or "json_schema"' in errors["r4"]["message"]
     assert f"over the limit of {MAX_SCHEMA_BYTES}" in errors["r5"]["message"]

@@ -9,27 +9,34 @@ Its packages, each answering one question (imports run down this list's order, n
     distributed/   tensor-parallel ranks and each rank's shard of the weights
     lora/          LoRA adapters: PEFT files checked, and the layers adding each row's low-rank products
     runner/        running the model: loading it, one forward pass over the paged KV pool, its kernels
-    sample/        logits to tokens, grammars, logprobs, and the rules that finish a row
+    sample/        logits to tokens, logprobs, and the rules that finish a row
+    structured/    structured outputs: xgrammar or llguidance per constraint, and the check of each output
     pooling/       rows to embeddings, class probabilities and scores (encoders packed; decoders paged)
 
-On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; embed, classify, score), choice scoring
-(scoring.py) and `builtin:echo`'s stand-in engine (echo.py). Configuration, sampling parameters,
-outputs and errors import without torch; `LLMEngine` and `EchoEngine` (which need torch or the
-tokenizers) are imported on first use, so that job specs can be read anywhere."""
+On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; embed, classify, score), vLLM's
+offline `LLM` over it (offline.py), choice scoring (scoring.py) and `builtin:echo`'s stand-in engine
+(echo.py). Configuration, sampling parameters, outputs and errors import without torch; `LLMEngine`,
+`LLM` and `EchoEngine` (which need torch or the tokenizers) are imported on first use, so that job
+specs can be read anywhere."""
 __version__ = "0.1.0"
 
 from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
-                        Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
+                        ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
+                        ScoringRequestOutput, Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
                         EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
                         PoolSizingError, RankError, Sample, SamplingParams, ScoringOutput, StructuredOutputsParams,
                         VIOLATION, one_line)
 
 def __getattr__(name: str):
-    """LLMEngine and EchoEngine (with ECHO_MODEL) are imported on first use."""
+    """LLMEngine, LLM and EchoEngine (with ECHO_MODEL) are imported on first use."""
     if name == "LLMEngine":
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "LLM":
+        from engine.offline import LLM
+
+        return LLM
     if name in ("EchoEngine", "ECHO_MODEL"):
         from engine import echo
 
@@ -37,7 +44,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "VIOLATION", "Completion", "Sample",
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "VIOLATION", "Completion", "Sample",
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
            "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",

@@ -8,6 +8,8 @@ from engine.api.lora import LoRARequest, per_prompt_lora
 from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, Sample,
                                 ScoringOutput)
 from engine.api.pooling import POOLING_TASKS, POOLING_TYPES, PoolerConfig, PoolingParams
+from engine.api.request_output import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
+                                       RequestOutput, ScoringRequestOutput)
 from engine.api.sampling_params import MAX_N, SamplingParams
 from engine.api.structured_outputs import KINDS, VIOLATION, StructuredOutputsParams
 
@@ -15,6 +17,7 @@ __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES
            "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS", "VIOLATION",
            "Completion", "Sample", "BatchStats", "ChoiceScores",
            "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingParams", "PoolerConfig", "POOLING_TYPES",
-           "POOLING_TASKS", "LoRARequest", "per_prompt_lora",
+           "POOLING_TASKS", "LoRARequest", "per_prompt_lora", "RequestOutput", "CompletionOutput", "Logprob",
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
            "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]

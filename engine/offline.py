@@ -1,0 +1,125 @@
+"""`engine.LLM`: vLLM's offline class over LLMEngine, so code written for `vllm.LLM` runs with its
+import line changed. A thin face: the same engine, its results reshaped into vLLM's
+RequestOutput / CompletionOutput (engine.api.request_output); LLMEngine and Completion stay as
+they are."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import fields
+
+from engine.api.config import EngineConfig
+from engine.api.lora import per_prompt_lora
+from engine.api.pooling import PoolingParams
+from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
+                                       ScoringRequestOutput, completion_outputs)
+from engine.api.sampling_params import SamplingParams
+
+CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """vLLM's `LLM(model, **engine_args)`: any EngineConfig field is a keyword (vLLM's names)."""
+
+    def __init__(self, model: str, **engine_args):
+        unknown = sorted(set(engine_args) - CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; the engine takes the EngineConfig "
+                            f"fields: {', '.join(sorted(CONFIG_FIELDS - {'model'}))}")
+        from engine.llm_engine import LLMEngine
+
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (vLLM's name)."""
+        return self.llm_engine.tokenizer.hf
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or
+        vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}; one or a list of them."""
+        texts, ids = self._prompts(prompts)
+        return self._generate(texts, ids, sampling_params, lora_request)
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, rendered by
+        the tokenizer's chat template (or `chat_template`), then generated."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template: pass chat_template=")
+        texts, ids = [], []
+        for conversation in conversations:
+            text = tok.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                           continue_final_message=continue_final_message, tools=tools,
+                                           **(chat_template_kwargs or {}))
+            texts.append(text)
+            ids.append(tok(text, add_special_tokens=False)["input_ids"])  # the template wrote the specials
+        return self._generate(texts, ids, sampling_params, lora_request)
+
+    def _generate(self, texts: list, ids: list, sampling_params, lora_request) -> list[RequestOutput]:
+        completions = self.llm_engine.generate(ids, sampling_params, lora_request=lora_request)
+        loras = per_prompt_lora(lora_request, len(ids))
+        decode = self.llm_engine.tokenizer.hf.convert_ids_to_tokens
+        return [RequestOutput(str(next(self._ids)), text, prompt_ids if isinstance(prompt_ids, list) else None, None,
+                              completion_outputs(c, lambda t: decode(int(t)), lora), True, c.num_cached_tokens, lora)
+                for text, prompt_ids, c, lora in zip(texts, ids, completions, loras)]
+
+    def _prompts(self, prompts) -> tuple[list, list]:
+        """(texts or None, token ids) of each prompt; a text that does not tokenize stays a text,
+        for the engine to fail that row alone."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts, ids = [], []
+        tokenize = self.llm_engine._tokenize
+        for p in prompts:
+            if isinstance(p, dict):
+                unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+                if unknown or "multi_modal_data" in p:
+                    raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got {sorted(p)}")
+                if "prompt_token_ids" in p:
+                    texts.append(p.get("prompt"))
+                    ids.append(list(p["prompt_token_ids"]))
+                    continue
+                p = p["prompt"]
+            if isinstance(p, str):
+                texts.append(p)
+                try:
+                    ids.append(tokenize(p))
+                except ValueError:
+                    ids.append(p)
+            else:
+                texts.append(None)
+                ids.append(list(p))
+        return texts, ids
+
+    # -- pooling -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pooled(prompts) -> list:
+        """The prompts as the pooling calls take them: texts or token-id lists."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        outs = self.llm_engine.embed(self._pooled(prompts), pooling_params, lora_request=lora_request)
+        return [EmbeddingRequestOutput(str(next(self._ids)), o) for o in outs]
+
+    def classify(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+                 lora_request=None) -> list[ClassificationRequestOutput]:
+        outs = self.llm_engine.classify(self._pooled(prompts), pooling_params, lora_request=lora_request)
+        return [ClassificationRequestOutput(str(next(self._ids)), o) for o in outs]
+
+    def score(self, data_1, data_2, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request=None) -> list[ScoringRequestOutput]:
+        outs = self.llm_engine.score(data_1, data_2, pooling_params, lora_request=lora_request)
+        return [ScoringRequestOutput(str(next(self._ids)), o) for o in outs]

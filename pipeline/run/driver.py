@@ -29,7 +29,7 @@ from pipeline.run.ray_env import ensure_ray
 from pipeline.run.report import PartTotals
 from pipeline.run.resources import check_resources
 from pipeline.run.unique_ids import check_unique_ids
-from pipeline.spec import Job
+from pipeline.spec import Job, resumes
 
 log = logging.getLogger("batchinfer")
 
@@ -178,7 +178,11 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
             out.clear()
         record = out.read_json("_job.json")
         if record is not None and record.get("fingerprint") not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
-            raise OutputConflict(_conflict(job, record))
+            if not resumes(job.spec, record.get("spec")):
+                raise OutputConflict(_conflict(job, record))
+            # written by an earlier version that counted a setting since found never to change a row
+            record["fingerprint"] = job.fingerprint
+            out.write_json("_job.json", record)
         numerics = job.spec.numerics()
         # (older outputs did not record them; a complete one is not resumed, whatever would compute)
         if record is not None and record.get("numerics", numerics) != numerics and not out.is_complete():

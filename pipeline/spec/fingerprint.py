@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
-from engine.api import CPU_POOL_TOKENS
+from engine.api import CPU_POOL_TOKENS, EngineConfig
 from pipeline.errors import SpecError
 from pipeline.spec.structured import schema_file_refs
 
@@ -26,6 +26,12 @@ EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tok
                     "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
 (tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
+TUNED_FIELDS = {k: EngineConfig.__dataclass_fields__[k].default
+                for k in ("max_batch_tokens", "max_num_seqs", "scheduling", "enforce_eager")}
+"""Engine fields `batchinfer tune` advises on, which never change a row (tests/engine hold it: the same
+tokens in any batch, pool, mode or graph): since 0.4 they count as at their defaults (EngineConfig's),
+so a half-finished job resumes with new values; outputs whose fingerprint counted them as set
+still resume (`accepted_fingerprints`, and `resumes` through the spec the output recorded)."""
 SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
 """Engine fields earlier versions counted although they never change a row (the deprecated alias
 of max_num_batched_tokens, an ignored setting, where and how weights are read): they count as at
@@ -33,9 +39,10 @@ these defaults, and an output whose fingerprint counted them as set still resume
 (`accepted_fingerprints`)."""
 
 
-def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False) -> str:
+def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned: bool = True) -> str:
     """The spec's fingerprint; `settled=False`: as earlier versions took it (SETTLED_FIELDS as
-    set), with `alias` the deprecated max_prefill_tokens standing for max_num_batched_tokens."""
+    set), with `alias` the deprecated max_prefill_tokens standing for max_num_batched_tokens;
+    `tuned=False`: as versions before 0.4 took it (TUNED_FIELDS as set)."""
     unread = schema_file_refs(spec.model_dump())
     if unread:
         raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
@@ -56,6 +63,9 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False) -> str
     if settled:  # counted by earlier versions, though they never change a row: as if at their defaults
         for knob, value in SETTLED_FIELDS.items():
             data["engine"][knob] = value
+    if tuned:
+        for knob, value in TUNED_FIELDS.items():
+            data["engine"][knob] = value
     if data["engine"].get("max_batch_tokens") is None:  # its default until the paged pool: same rows
         data["engine"]["max_batch_tokens"] = CPU_POOL_TOKENS
     # Fields added after 0.1 count only when set, so that outputs of older runs still resume
@@ -75,3 +85,20 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False) -> str
         if leaf in node and node[leaf] == default[leaf]:
             del node[leaf], default[leaf]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resumes(spec: JobSpec, recorded: dict | None) -> bool:
+    """Whether an output whose _job.json recorded the spec `recorded` (as JSON, with its
+    fingerprint) holds the rows `spec` computes: the two fingerprints agree under this version's
+    rules. So an output written before a field stopped counting resumes with that field changed."""
+    if not isinstance(recorded, dict):
+        return False
+    from pydantic import ValidationError
+
+    from pipeline.spec.schema import JobSpec as Spec
+
+    try:
+        earlier = Spec.model_validate({k: v for k, v in recorded.items() if k != "fingerprint"})
+        return fingerprint(earlier) == fingerprint(spec)
+    except (ValidationError, SpecError, ValueError, TypeError):
+        return False

@@ -232,7 +232,8 @@ class JobSpec(_Section):
         """Fingerprints an output of this spec may carry: this version's, and those earlier
         versions gave it while they still counted SETTLED_FIELDS (as set, or with the
         max_prefill_tokens a user has since renamed max_num_batched_tokens, as its warning says)."""
-        return {self.fingerprint(), fingerprint(self, settled=False), fingerprint(self, settled=False, alias=True)}
+        return {self.fingerprint(), fingerprint(self, tuned=False), fingerprint(self, settled=False, tuned=False),
+                fingerprint(self, settled=False, alias=True, tuned=False)}
 
 
 def check_gpus(spec: JobSpec) -> None:

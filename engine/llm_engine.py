@@ -29,6 +29,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
 from engine.sample.sampler import Sampler
+from engine.sample.token_options import bad_word_sequences, check_request
 from engine.scoring import score_choices
 from engine.structured import GrammarBackend
 
@@ -171,6 +172,8 @@ class LLMEngine:
         self._next_index += 1
         try:
             seq.prompt_token_ids = self._tokenize(prompt)
+            check_request(params, self.runner.vocab_size, self.config.max_logprobs)
+            seq.bad_words = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
             self.adapters.attach(seq, lora_request)
             if params.structured_outputs is not None:
                 self.grammar.compile(params.structured_outputs)
@@ -178,7 +181,8 @@ class LLMEngine:
             seq.fail(str(exc))
             return seq
         samples = [seq] + [Sequence(index=seq.index, prompt_token_ids=seq.prompt_token_ids, params=params,
-                                    seed=sample_seed(seed, j), sample_index=j, lora=seq.lora, lora_salt=seq.lora_salt)
+                                    seed=sample_seed(seed, j), sample_index=j, lora=seq.lora, lora_salt=seq.lora_salt,
+                                    bad_words=seq.bad_words)
                           for j in range(1, params.n)]
         if params.n > 1:
             seq.group = samples
@@ -257,7 +261,7 @@ class LLMEngine:
         rows = self.batch.rows(seqs)
         if any(s.matcher is not None for s in seqs):
             self.grammar.apply(logits, seqs)
-        tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows))
+        tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows, seqs))
         return Sampled(seqs, rows, tokens, logprobs)
 
     def _postprocess(self, sampled: Sampled) -> list[Sequence]:

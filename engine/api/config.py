@@ -88,6 +88,8 @@ class EngineConfig:
     """With enable_lora: the highest adapter rank accepted (vLLM's name)."""
     max_cpu_loras: int | None = None
     """With enable_lora: adapters kept loaded on the host; None = 2 x max_loras (vLLM's name)."""
+    max_logprobs: int = 20
+    """Most alternatives a request's logprobs may ask for per token (vLLM's name)."""
     structured_outputs_backend: str = "auto"
     """Structured outputs: auto (per JSON Schema, the backend that enforces the most of its keywords), xgrammar or guidance (llguidance); every output is checked after generation either way (vLLM's names)."""
 
@@ -129,6 +131,7 @@ class EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras)
+        _positive("max_logprobs", self.max_logprobs)
         _positive("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_loras is not None:
             _positive("max_cpu_loras", self.max_cpu_loras)

@@ -10,7 +10,9 @@ from engine.api.structured_outputs import StructuredOutputsParams
 MAX_N = 128
 """Most samples one request may ask for (n)."""
 MAX_LOGPROBS = 20
-"""Most alternatives a token's logprobs may list (vLLM's default max_logprobs; OpenAI's top_logprobs limit)."""
+"""Most alternatives a token's logprobs may list by default (vLLM's max_logprobs default, EngineConfig's; OpenAI's top_logprobs limit)."""
+MAX_LOGPROBS_CAP = 1024
+"""Most a request may ask for at all; the engine's max_logprobs bounds it further."""
 MAX_INT64 = (1 << 63) - 1
 SAMPLING_EPS = 1e-5
 """A temperature below this samples as greedy (as vLLM does): dividing by it overflows float32."""
@@ -47,13 +49,23 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence from the logit of tokens already generated; in [-2, 2]."""
     logprobs: int | None = None
-    """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only; N <= 20)."""
+    """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only; N <= the engine's max_logprobs, 20 by default)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
     n: int = 1
     """Samples to generate from the prompt (the prompt is computed once); sample j draws from (seed, j)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON Schema, regex, choice list, EBNF grammar or any JSON object (a dict of those keys works too)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's and vLLM's; -100 all but bans it)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated (besides nothing: EOS too must be listed to end early)."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: each, with and without a leading space, banned as its token sequence (its last token is banned where the output ends with the rest)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """With skip_special_tokens false: a space between a special token and its neighbours in the text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,15 +88,47 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS_CAP)
         _check_int("n", self.n, low=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        self._check_token_options()
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _check_token_options(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+                _check_float(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = ids
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the request names (stop_token_ids, logit_bias, allowed_token_ids): the
+        engine checks them against its vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:

@@ -73,6 +73,8 @@ class Sequence:
     """Digest of its adapter's files: sets its prefix-cache names apart from other adapters'."""
     lora_slot: int | None = None
     """The device slot of its adapter while it runs (engine.core.lora_slots)."""
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)
+    """The token sequences its params.bad_words ban (engine.sample.token_options)."""
 
     @property
     def num_prompt_tokens(self) -> int:

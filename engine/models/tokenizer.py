@@ -60,6 +60,26 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def decode_as(self, token_ids: list[int], skip_special_tokens: bool = True,
+                  spaces_between_special_tokens: bool = True) -> str:
+        """The text of `token_ids` under vLLM's two detokenizing options: with special tokens kept,
+        each stands as its own text, joined to the text around it by a space (or not)."""
+        if skip_special_tokens:
+            return self.decode(token_ids)
+        special = set(self.hf.all_special_ids)
+        parts, run = [], []
+        for token in token_ids:
+            if token in special:
+                if run:
+                    parts.append(self.hf.decode(run))
+                    run = []
+                parts.append(self.hf.convert_ids_to_tokens(token))
+            else:
+                run.append(token)
+        if run:
+            parts.append(self.hf.decode(run))
+        return (" " if spaces_between_special_tokens else "").join(parts)
+
     def decode_batch(self, token_ids: list[list[int]]) -> list[str]:
         """Several texts, each exactly as `decode` would give it."""
         return self.hf.batch_decode(token_ids, skip_special_tokens=True)

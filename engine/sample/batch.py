@@ -23,6 +23,7 @@ from engine.models.tokenizer import StopStringChecker, Tokenizer
 from engine.sample.finish import finish_rows, stop_string_hits
 from engine.sample.logprobs import logprob_columns, record_logprobs, top_n
 from engine.sample.sampler import SamplingFlags, SamplingTensors
+from engine.sample.token_options import bias_rows, dynamic_bans, has_bias
 
 
 @dataclass
@@ -48,10 +49,10 @@ def sample_seed(seed: int, j: int) -> int:
 
 # Device tensors with one row per slot (first dimension = slots). `state` packs the integer
 # per-row values (STATE_COLUMNS), so joining or moving rows copies one table.
-ROW_TENSORS = ("state", "stop_ids", "output_counts", "seen", "banned")
+ROW_TENSORS = ("state", "stop_ids", "output_counts", "seen", "banned", "bias")
 STATE_COLUMNS = ("steps", "max_tokens", "min_tokens")
 HOST_ARRAYS = ("h_steps", "h_min", "h_text")
-FEATURES = ("greedy", "min_p", "top_k", "top_p", "penalties", "logprobs", "min_tokens")
+FEATURES = ("greedy", "min_p", "top_k", "top_p", "penalties", "logprobs", "min_tokens", "bias", "bad_words")
 
 Rows = "slice | torch.Tensor"
 
@@ -70,7 +71,7 @@ class Batch:
         for i, name in enumerate(STATE_COLUMNS):  # column views: they follow the table's rows
             setattr(self, name, self.state[:, i])
         self.stop_ids = torch.full((slots, 1), -1, dtype=torch.int64, device=device)
-        self.output_counts = self.seen = self.banned = None
+        self.output_counts = self.seen = self.banned = self.bias = None
         self.sampling = SamplingTensors.empty(slots, device)
         self.h_steps = np.zeros(slots, dtype=np.int64)  # host mirror of `steps`
         self.h_min = np.zeros(slots, dtype=np.int64)  # min_tokens of each row
@@ -154,6 +155,10 @@ class Batch:
             banned = torch.zeros((len(seqs), v + 1), dtype=torch.bool, device=self.device)
             banned.scatter_(1, torch.where(stop >= 0, stop, v).clamp(max=v), True)  # -1 -> the spare column
             self.banned[rows] = banned[:, :v]
+        if self.flags.bias or self.bias is not None:  # a slot's earlier row may have left its bias there
+            if self.bias is None:
+                self.bias = torch.zeros((self.slots, v), dtype=torch.float32, device=self.device)
+            self.bias[rows] = bias_rows(seqs, v).to(self.device)
 
     def _count_features(self, seqs: list[Sequence], sign: int) -> None:
         for s in seqs:
@@ -162,20 +167,28 @@ class Batch:
         f, n = self._features, self.num_rows
         self.flags = SamplingFlags(all_greedy=f["greedy"] == n, min_p=f["min_p"] > 0, top_k=f["top_k"] > 0,
                                    top_p=f["top_p"] > 0, penalties=f["penalties"] > 0,
-                                   logprobs=f["logprobs"] > 0, min_tokens=f["min_tokens"] > 0)
+                                   logprobs=f["logprobs"] > 0, min_tokens=f["min_tokens"] > 0, bias=f["bias"] > 0,
+                                   bad_words=f["bad_words"] > 0)
 
     # -- sampling and recording ---------------------------------------------------------------
 
-    def sampler_inputs(self, rows: "Rows") -> dict:
-        """The sampler's per-row inputs for `rows` (views for a slice)."""
+    def sampler_inputs(self, rows: "Rows", seqs: list[Sequence] | None = None) -> dict:
+        """The sampler's per-row inputs for `rows` (views for a slice); `seqs`, the rows'
+        sequences, for the bans of bad words of several tokens."""
         banned = None
         if self.banned is not None and self.flags.min_tokens:
             banned = self.banned[rows] & (self.steps[rows] < self.min_tokens[rows])[:, None]
         penalties = self.flags.penalties
         st = self.sampling.rows(rows) if isinstance(rows, slice) else self.sampling.select(rows)
+        ban = None
+        if self.flags.bad_words and seqs is not None:
+            at, tokens = dynamic_bans(seqs)
+            if at:
+                ban = (torch.tensor(at, device=self.device), torch.tensor(tokens, device=self.device))
         return {"st": st, "flags": self.flags, "steps": self.steps[rows],
                 "output_counts": self.output_counts[rows] if penalties else None,
-                "seen": self.seen[rows] if penalties else None, "banned": banned}
+                "seen": self.seen[rows] if penalties else None, "banned": banned,
+                "bias": self.bias[rows] if self.flags.bias else None, "ban": ban}
 
     def record(self, seqs: list[Sequence], rows: "Rows", tokens: torch.Tensor,
                logprobs: torch.Tensor | None) -> list[Sequence]:
@@ -251,5 +264,6 @@ def _features(seq: Sequence) -> list[str]:
     p = seq.params
     flags = {"greedy": p.temperature == 0, "min_p": p.min_p > 0, "top_k": p.top_k > 0, "top_p": p.top_p < 1,
              "penalties": p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0,
-             "logprobs": p.logprobs is not None, "min_tokens": p.min_tokens > 0}
+             "logprobs": p.logprobs is not None, "min_tokens": p.min_tokens > 0, "bias": has_bias(seq),
+             "bad_words": any(len(w) > 1 for w in seq.bad_words)}
     return [name for name, on in flags.items() if on]

@@ -37,12 +37,15 @@ def finish_rows(tokenizer: Tokenizer, seqs: list[Sequence], now: float) -> None:
                                                            and not s.params.ignore_eos)
                  for s, out in zip(seqs, outs)]
     texts = tokenizer.decode_batch([out if keep else out[:-1] for out, keep in zip(outs, keep_last)])
+    for i, seq in enumerate(seqs):  # rows that keep special tokens in their text
+        if not seq.params.skip_special_tokens:
+            texts[i] = _decode(tokenizer, seq, outs[i] if keep_last[i] else outs[i][:-1])
     for seq, out, keep, text in zip(seqs, outs, keep_last, texts):
         held = _held_back(tokenizer, seq)
         hit = find_stop(text, seq.params.stop, held) if seq.params.stop else None
         if hit is not None:
             if not keep:  # the stop string counts from the whole output
-                text = tokenizer.decode(out)
+                text = _decode(tokenizer, seq, out)
                 hit = find_stop(text, seq.params.stop, held) or hit
             at, stop = hit
             seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
@@ -63,3 +66,8 @@ def _held_back(tokenizer: Tokenizer, seq: Sequence) -> int:
     if not seq.params.min_tokens or not seq.params.stop:
         return 0
     return len(tokenizer.decode(seq.output_token_ids[: seq.params.min_tokens]))
+
+
+def _decode(tokenizer: Tokenizer, seq: Sequence, token_ids: list[int]) -> str:
+    p = seq.params
+    return tokenizer.decode_as(token_ids, p.skip_special_tokens, p.spaces_between_special_tokens)

@@ -92,6 +92,10 @@ class SamplingFlags:
     """Some row wants logprobs."""
     min_tokens: bool = False
     """Some row bans its stop tokens until min_tokens."""
+    bias: bool = False
+    """Some row has logit_bias, allowed_token_ids or a bad word of one token (a fixed bias row)."""
+    bad_words: bool = False
+    """Some row has a bad word of several tokens (bans that depend on its output)."""
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> "SamplingFlags":
@@ -101,7 +105,10 @@ class SamplingFlags:
                    top_p=any(p.top_p < 1 for p in ps),
                    penalties=any(_has_penalty(p) for p in ps),
                    logprobs=any(p.logprobs is not None for p in ps),
-                   min_tokens=any(p.min_tokens > 0 for p in ps))
+                   min_tokens=any(p.min_tokens > 0 for p in ps),
+                   bias=any(p.logit_bias is not None or p.allowed_token_ids is not None or s.bad_words
+                            for p, s in zip(ps, seqs)),
+                   bad_words=any(len(w) > 1 for s in seqs for w in s.bad_words))
 
 
 def _has_penalty(p) -> bool:
@@ -118,7 +125,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors, flags: SamplingFlags, steps: torch.Tensor,
                  output_counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
-                 banned: torch.Tensor | None = None):
+                 banned: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 ban: tuple[torch.Tensor, torch.Tensor] | None = None):
         """logits (B, V) float32 -> (tokens (B,), logprobs (B, V) or None). No device->host sync.
 
         steps (B,): tokens each row has generated so far (the noise counter).
@@ -127,8 +135,15 @@ class Sampler:
         banned (B, V) bool: tokens a row may not pick now (stop tokens before min_tokens). A ban
         that would leave a row no token at all (a grammar that allows only its end, which
         min_tokens holds back) is lifted for that row: the grammar wins, not token 0.
+        bias (B, V): each row's logit_bias, allowed_token_ids and one-token bad words (0 or -inf).
+        ban (row indexes, token ids): the last tokens of bad words the rows' outputs now end with.
+        Logprobs are those of the model's own logits (vLLM's default), before any of these.
         """
         logprobs = torch.log_softmax(logits, dim=-1) if flags.logprobs else None
+        if bias is not None:
+            logits = logits + bias
+        if ban is not None:
+            logits = logits.index_put(ban, torch.tensor(float("-inf"), device=logits.device))
         if banned is not None:
             kept = logits.masked_fill(banned, float("-inf"))
             logits = torch.where((kept > float("-inf")).any(dim=-1, keepdim=True), kept, logits)

@@ -20,7 +20,9 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("workers", "shard_bytes"), ("engine", "kv_cache_dtype"), ("engine", "quantization"),
                 ("sampling", "n"), ("sampling", "structured_outputs"), ("label", "json_schema"),
                 ("embed",), ("score",), ("engine", "pooling"), ("lora",), ("engine", "enable_lora"),
-                ("engine", "structured_outputs_backend"))
+                ("engine", "structured_outputs_backend"), ("sampling", "logit_bias"), ("sampling", "allowed_token_ids"),
+                ("sampling", "bad_words"), ("sampling", "skip_special_tokens"),
+                ("sampling", "spaces_between_special_tokens"), ("engine", "max_logprobs"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
                     "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras")

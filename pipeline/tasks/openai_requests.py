@@ -9,13 +9,14 @@ per-row error. Nothing here raises on bad input: a bad line is a row error, and 
 Body fields, by what happens to them:
     mapped      max_tokens, max_completion_tokens (chat; both -> max_tokens), temperature, top_p,
                 stop, seed, presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat),
-                n (1 .. engine.api.sampling_params.MAX_N: one line with n choices)
+                n (1 .. engine.api.sampling_params.MAX_N: one line with n choices),
+                logit_bias ({token id: bias in [-100, 100]}; an id outside the vocabulary fails its line)
                 response_format (chat; {type: text | json_object | json_schema, json_schema: {name,
                 schema, strict, description}} -> structured_outputs; always enforced, strict or not)
     checked     stream (only false), model (a string; reported in the response only)
     ignored     user, and for chat metadata and store: they describe the request, not how to
                 generate it
-    unknown     anything else (logit_bias, tools, ...): listed in
+    unknown     anything else (tools, ...): listed in
                 BatchRequest.unknown; the caller makes that a row error or a warning with
                 `unknown_fields_error`
 A field set to null counts as absent, as in the OpenAI API. Values follow the OpenAI API ranges,
@@ -48,7 +49,7 @@ IGNORED_FIELDS = {CHAT_URL: ("user", "metadata", "store"), COMPLETIONS_URL: ("us
 store): end-user id, tags and storage choice do not change generation."""
 
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty",
-                  "frequency_penalty", "logprobs", "stream")
+                  "frequency_penalty", "logprobs", "stream", "logit_bias")
 KNOWN_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[CHAT_URL]
                         + ("messages", "max_completion_tokens", "top_logprobs", "response_format")),
@@ -228,6 +229,7 @@ def _parse_sampling(body: dict, chat: bool) -> dict:
     if body.get("stream") is not None and body["stream"] is not False:
         raise _RowError(f"body.stream must be false, got {body['stream']!r}")
     _put(sampling, "logprobs", _parse_logprobs(body, chat))
+    _put(sampling, "logit_bias", _parse_logit_bias(body.get("logit_bias")))
     _put(sampling, "structured_outputs", _parse_response_format(body.get("response_format")))
     return sampling
 
@@ -266,6 +268,22 @@ def _parse_response_format(value) -> dict | None:
     if size > MAX_SCHEMA_BYTES:
         raise _RowError(f"{where}.json_schema.schema is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}")
     return {"json": schema}
+
+
+def _parse_logit_bias(value) -> dict[int, float] | None:
+    """body.logit_bias ({"token id": bias}, OpenAI's range -100 .. 100) -> SamplingParams.logit_bias."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _RowError(f"body.logit_bias must be an object of token ids to numbers, got {_kind(value)}")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise _RowError(f"body.logit_bias keys must be token ids, got {key!r}")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise _RowError(f"body.logit_bias[{key}] must be a number in [-100, 100], got {number!r}")
+        bias[int(key)] = float(number)
+    return bias or None
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:

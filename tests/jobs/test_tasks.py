@@ -187,7 +187,7 @@ def batch_lines():
         {"custom_id": "req-text", "method": "POST", "url": "/v1/completions",
          "body": {"model": "m", "prompt": "Once upon", "max_tokens": 3, "temperature": 0.7, "seed": 1}},
         {"custom_id": "req-unknown", "method": "POST", "url": "/v1/chat/completions",
-         "body": {**chat, "logit_bias": {"1": 5}}},
+         "body": {**chat, "parallel_tool_calls": True}},
         {"custom_id": "req-n", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 5, "logprobs": 0}},
         {"custom_id": "req-n-bad", "method": "POST", "url": "/v1/completions",
@@ -214,7 +214,7 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
     failed = [line for line in lines if line["error"] is not None]
     assert [line["custom_id"] for line in failed] == ["req-unknown", "req-n-bad", "req-url"]
     assert all(line["response"] is None for line in failed)
-    assert "logit_bias" in failed[0]["error"]["message"]
+    assert "parallel_tool_calls" in failed[0]["error"]["message"]
     assert failed[1]["error"]["message"] == "body.n must be in [1, 128], got 200"
     sampled = Completion.model_validate(lines[3]["response"]["body"])  # n = 3: one line, three choices
     assert [c.index for c in sampled.choices] == [0, 1, 2] and len({c.text for c in sampled.choices}) > 1

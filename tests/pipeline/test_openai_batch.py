@@ -152,9 +152,9 @@ def test_custom_id_is_kept_when_the_line_is_invalid():
 
 
 def test_unknown_fields_are_reported():
-    req = parse_request(chat({"tools": [], "logit_bias": {"1": 2}, "parallel_tool_calls": True}))
-    assert req.error is None and req.unknown == ["logit_bias", "parallel_tool_calls", "tools"]
-    assert unknown_fields_error(req.unknown) == "unsupported body fields: logit_bias, parallel_tool_calls, tools"
+    req = parse_request(chat({"tools": [], "parallel_tool_calls": True}))
+    assert req.error is None and req.unknown == ["parallel_tool_calls", "tools"]
+    assert unknown_fields_error(req.unknown) == "unsupported body fields: parallel_tool_calls, tools"
     assert parse_request(completion({"echo": True, "best_of": 2})).unknown == ["best_of", "echo"]
     # the completions API has no response_format (chat only, as in OpenAI's API)
     assert parse_request(completion({"response_format": {"type": "text"}})).unknown == ["response_format"]
@@ -264,3 +264,13 @@ def test_error_line():
     assert anon["custom_id"] is None and anon["id"] != error_line(None, "x", "y", row_id="f0:13")["id"]
     with pytest.raises(ValueError, match="needs a custom_id or a row_id"):
         error_line(None, "invalid_request", "x")
+
+
+def test_logit_bias_maps_to_the_sampling_option_and_is_checked():
+    assert parse_request(chat({"logit_bias": {"1": 2, "50256": -100}})).sampling["logit_bias"] == {1: 2.0, 50256: -100.0}
+    assert parse_request(completion({"logit_bias": {"7": 0.5}})).sampling["logit_bias"] == {7: 0.5}
+    assert "logit_bias" not in parse_request(chat({"logit_bias": None})).sampling
+    assert parse_request(chat({"logit_bias": {"x": 1}})).error == "body.logit_bias keys must be token ids, got 'x'"
+    assert parse_request(chat({"logit_bias": {"1": 101}})).error == \
+        "body.logit_bias[1] must be a number in [-100, 100], got 101"
+    assert parse_request(chat({"logit_bias": [1]})).error.startswith("body.logit_bias must be an object")

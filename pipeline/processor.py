@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
 from pipeline.run import EngineActor, engine_stage_args, with_adapters
-from pipeline.spec import Job, JobSpec, validate
+from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
 
 SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed", "lora", "embed", "score")
@@ -33,7 +33,8 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     """A callable mapping a Dataset to a Dataset of generated rows. `config` holds the job spec's
     sections but input/output, validated by the job spec's rules (SpecError names a bad key).
     `preprocess` maps a row to a row with a `prompt` (text) or `messages` (chat, rendered with the
-    model's chat template); `postprocess` maps each output row to the row returned. Nothing is
+    model's chat template), and optionally `sampling_params` (a dict of sampling fields over the
+    config's `sampling` for that row; a bad one is that row's error); `postprocess` maps each output row to the row returned. Nothing is
     loaded or started until the returned Dataset executes."""
     unknown = [key for key in config if key not in SECTIONS]
     if unknown:
@@ -42,7 +43,9 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     lora = config.get("lora")
     if isinstance(lora, dict) and (lora.get("adapters") or lora.get("path")) and not lora.get("each"):
         config = {**config, "lora": {"column": "model", **lora}}  # a row's `model` names its adapter (Ray Data LLM)
-    spec = read_schema_files(validate({**config, "input": {"path": "-"}, "output": {"path": "-"}}))
+    # a row's sampling_params (from preprocess) override the sampling section for that row (Ray Data LLM)
+    spec = read_schema_files(validate({**config, "input": {"path": "-", "sampling_column": SAMPLING_PARAMS},
+                                       "output": {"path": "-"}}))
     spec = with_adapters(Job(spec, "")).spec  # lora.path listed once, here
     return Processor(spec, preprocess, postprocess)
 

@@ -86,7 +86,7 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
     if inp.format == "openai_batch":
         return ["custom_id", "body"]
     columns = [spec.score.text_1_column, spec.score.text_2_column] if spec.task == "score" else builder.columns
-    needed = columns + ([inp.id_column] if inp.id_column else [])
+    needed = columns + [c for c in (inp.id_column, inp.sampling_column) if c]
     if spec.task in ("label", "eval") and spec.label.choices_column:
         needed.append(spec.label.choices_column)
     if spec.task in ("eval", "classify"):

@@ -6,6 +6,7 @@ from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LAB
                                    SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
                                    score_column)
 from pipeline.spec.fingerprint import ADDED_FIELDS, TUNED_FIELDS, resumes
+from pipeline.spec.row_sampling import SAMPLING_PARAMS, row_sampling
 from pipeline.spec.job import Job
 from pipeline.spec.lora import ADAPTER, LoRASpec
 from pipeline.spec.pooling import POOLING_TASKS, EmbedSpec, ScoreSpec, reports_metrics
@@ -13,7 +14,7 @@ from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, 
 from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
                                   field_reference, validate)
 
-__all__ = ["ADDED_FIELDS", "TUNED_FIELDS", "resumes", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",
+__all__ = ["ADDED_FIELDS", "TUNED_FIELDS", "resumes", "SAMPLING_PARAMS", "row_sampling", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",
            "SCHEMA_FILE_FIELDS", "SCORE_PREFIX", "EvalSpec", "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec",
            "SpecError", "StructuredOutputsSpec", "WorkersSpec", "check_metric_names", "check_metrics",
            "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate",

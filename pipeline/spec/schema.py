@@ -92,6 +92,9 @@ class InputSpec(_Section):
         default_factory=list, description="Example user/assistant turns put before every row (chat template).")
     id_column: str | None = Field(
         None, description="Column with unique row ids; else an id is derived from file + row position.")
+    sampling_column: str | None = Field(
+        None, description="Column holding a mapping of sampling fields per row (Ray Data LLM's sampling_params), "
+        "over the sampling section for that row; a bad one is that row's error.")
     columns: list[str] | None = Field(
         None, description="Input columns copied to the output; None = all of them.")
     on_bad_line: Literal["error", "skip", "fail"] = Field(

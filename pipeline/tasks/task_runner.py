@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine.api import LoRARequest, PoolingParams, SamplingParams
 from engine.api import StructuredOutputsParams
-from pipeline.spec import INCOMPLETE, POOLING_TASKS
+from pipeline.spec import INCOMPLETE, POOLING_TASKS, row_sampling
 from pipeline.tasks import scoring
 from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_pooling import run_lines
@@ -64,6 +64,8 @@ class TaskRunner:
         sampling["structured_outputs"] = so.params() if so is not None else (
             StructuredOutputsParams(json=self.label_schema) if self.label_schema is not None else None)
         self.sampling = sampling
+        self.sampling_column = None if self.openai_input else spec.input.sampling_column
+        """Rows' own sampling fields (pipeline.spec.row_sampling), over the job's."""
         self.choices = label.choices if labeling else None
         self.choices_column = label.choices_column if labeling else None
         self.scoring = bool(self.choices or self.choices_column)
@@ -176,6 +178,8 @@ class TaskRunner:
                 if prompt is None:
                     continue
             try:
+                if self.sampling_column:
+                    overrides = row_sampling(row.get(self.sampling_column), self.spec.sampling)
                 if isinstance(prompt, list):  # chat messages
                     prompt = self.engine.tokenizer.encode_chat(prompt)
                 sp = SamplingParams(**{"seed": row_seed(self.base_seed, ids[i]), **self.sampling, **overrides})

@@ -39,3 +39,37 @@ def test_the_options_count_in_the_fingerprint_only_when_set():
         validate({**BASE, "sampling": {"logprobs": 25}})
     with pytest.raises(SpecError, match="logit_bias"):
         validate({**BASE, "sampling": {"logit_bias": {"1": 500}}})
+
+
+def test_a_rows_sampling_column_overrides_the_section_for_that_row(tiny):
+    spec = validate({"input": {"path": "in.jsonl", "sampling_column": "params"}, "output": {"path": "out/"},
+                     "sampling": {"max_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    rows = [{"prompt": "a", "params": None}, {"prompt": "a", "params": {"max_tokens": 3}},
+            {"prompt": "a", "params": {"max_tokens": 4, "temperature": None, "stop": ["zz"]}},
+            {"prompt": "a", "params": {"temperature": -1}}, {"prompt": "a", "params": {"min_tokens": 9}},
+            {"prompt": "a", "params": {"top_q": 1}}, {"prompt": "a", "params": "hot"}]
+    results = TaskRunner(spec, tiny).run(rows, [str(i) for i in range(len(rows))], [None] * len(rows))
+    assert [r.num_generated_tokens for r in results[:3]] == [6, 3, 4]
+    assert results[1].generated_text == results[0].generated_text[:len(results[1].generated_text)]  # greedy kept
+    assert [r.error for r in results[3:]] == [
+        "sampling_params: temperature must be >= 0.0, got -1.0", "sampling_params: min_tokens (9) must be <= max_tokens (6)",
+        "sampling_params.top_q: unknown key", "sampling_params must be a mapping of sampling fields, got str"]
+    assert all(r.finish_reason == "error" for r in results[3:])
+    assert validate({**BASE, "input": {"path": "in.jsonl", "sampling_column": None}}).fingerprint() == validate(BASE).fingerprint()
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_processor_rows_sampling_params_from_preprocess():
+    import ray
+
+    from pipeline import build_processor
+
+    processor = build_processor({"model": "builtin:tiny", "sampling": {"max_tokens": 6, "temperature": 0,
+                                                                       "ignore_eos": True},
+                                 "workers": {"rows_per_batch": 4}},
+                                preprocess=lambda row: {"prompt": "q", "n": row["n"],
+                                                        "sampling_params": {"max_tokens": row["n"]} if row["n"]
+                                                        else {"temperature": -2}})
+    rows = {r["n"]: r for r in processor(ray.data.from_items([{"n": n} for n in range(5)])).take_all()}
+    assert [rows[n]["num_generated_tokens"] for n in range(1, 5)] == [1, 2, 3, 4]
+    assert rows[0]["finish_reason"] == "error" and rows[0]["error"].startswith("sampling_params: temperature")

@@ -1,0 +1,34 @@
+"""A row's own sampling parameters (Ray Data LLM's per-row `sampling_params`, a job's
+`input.sampling_column`): checked as the spec's sampling section checks them, over the job's
+sampling, and applied to that row only. A bad one is that row's error."""
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from pipeline.spec.schema import SamplingSpec, _describe
+
+SAMPLING_PARAMS = "sampling_params"
+"""The column a processor row's preprocess sets (Ray Data LLM's name)."""
+
+
+def row_sampling(value, job_sampling: SamplingSpec) -> dict:
+    """The SamplingParams keyword arguments a row's `value` (a mapping of sampling fields; null
+    ones count as absent, as Arrow fills a struct's missing keys) overrides, after the whole
+    section, the job's sampling with them, passes the spec's checks. ValueError naming the key."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{SAMPLING_PARAMS} must be a mapping of sampling fields, got {type(value).__name__}")
+    given = {k: v for k, v in value.items() if v is not None}
+    so = given.get("structured_outputs")
+    if isinstance(so, dict) and isinstance(so.get("json"), str):
+        raise ValueError(f"{SAMPLING_PARAMS}.structured_outputs.json: a row gives the schema itself, not a file")
+    try:
+        checked = SamplingSpec.model_validate({**job_sampling.model_dump(exclude_none=True), **given})
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"{SAMPLING_PARAMS}{'.' if e['loc'] else ': '}{_describe(e)}"
+                                   for e in exc.errors())) from None
+    out = {k: getattr(checked, k) for k in given}
+    if "structured_outputs" in out:
+        out["structured_outputs"] = checked.structured_outputs.params() if checked.structured_outputs else None
+    return out

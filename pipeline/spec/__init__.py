@@ -5,7 +5,8 @@ from pipeline.errors import SpecError
 from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,
                                    SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
                                    score_column)
-from pipeline.spec.fingerprint import ADDED_FIELDS, TUNED_FIELDS, resumes
+from pipeline.spec.fingerprint import ADDED_FIELDS, TUNED_FIELDS
+from pipeline.spec.resume import resumes
 from pipeline.spec.row_sampling import SAMPLING_PARAMS, row_sampling
 from pipeline.spec.job import Job
 from pipeline.spec.lora import ADAPTER, LoRASpec

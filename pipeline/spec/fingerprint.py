@@ -88,19 +88,3 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned:
             del node[leaf], default[leaf]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
-
-def resumes(spec: JobSpec, recorded: dict | None) -> bool:
-    """Whether an output whose _job.json recorded the spec `recorded` (as JSON, with its
-    fingerprint) holds the rows `spec` computes: the two fingerprints agree under this version's
-    rules. So an output written before a field stopped counting resumes with that field changed."""
-    if not isinstance(recorded, dict):
-        return False
-    from pydantic import ValidationError
-
-    from pipeline.spec.schema import JobSpec as Spec
-
-    try:
-        earlier = Spec.model_validate({k: v for k, v in recorded.items() if k != "fingerprint"})
-        return fingerprint(earlier) == fingerprint(spec)
-    except (ValidationError, SpecError, ValueError, TypeError):
-        return False

@@ -18,6 +18,13 @@ from engine.api.sampling_params import SamplingParams
 CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
+def _as_list(prompts) -> list:
+    """One prompt (a string, a vLLM prompt dict, a list of token ids) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """vLLM's `LLM(model, **engine_args)`: any EngineConfig field is a keyword (vLLM's names)."""
 
@@ -69,17 +76,15 @@ class LLM:
         loras = per_prompt_lora(lora_request, len(ids))
         decode = self.llm_engine.tokenizer.hf.convert_ids_to_tokens
         return [RequestOutput(str(next(self._ids)), text, prompt_ids if isinstance(prompt_ids, list) else None, None,
-                              completion_outputs(c, lambda t: decode(int(t)), lora), True, c.num_cached_tokens, lora)
+                              completion_outputs(c, decode, lora), True, c.num_cached_tokens, lora)
                 for text, prompt_ids, c, lora in zip(texts, ids, completions, loras)]
 
     def _prompts(self, prompts) -> tuple[list, list]:
         """(texts or None, token ids) of each prompt; a text that does not tokenize stays a text,
         for the engine to fail that row alone."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         texts, ids = [], []
         tokenize = self.llm_engine._tokenize
-        for p in prompts:
+        for p in _as_list(prompts):
             if isinstance(p, dict):
                 unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
                 if unknown or "multi_modal_data" in p:
@@ -105,9 +110,7 @@ class LLM:
     @staticmethod
     def _pooled(prompts) -> list:
         """The prompts as the pooling calls take them: texts or token-id lists."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+        return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in _as_list(prompts)]
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request=None) -> list[EmbeddingRequestOutput]:

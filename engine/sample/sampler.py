@@ -97,23 +97,6 @@ class SamplingFlags:
     bad_words: bool = False
     """Some row has a bad word of several tokens (bans that depend on its output)."""
 
-    @classmethod
-    def of(cls, seqs: list[Sequence]) -> "SamplingFlags":
-        ps = [s.params for s in seqs]
-        return cls(all_greedy=all(p.temperature == 0 for p in ps),
-                   min_p=any(p.min_p > 0 for p in ps), top_k=any(p.top_k > 0 for p in ps),
-                   top_p=any(p.top_p < 1 for p in ps),
-                   penalties=any(_has_penalty(p) for p in ps),
-                   logprobs=any(p.logprobs is not None for p in ps),
-                   min_tokens=any(p.min_tokens > 0 for p in ps),
-                   bias=any(p.logit_bias is not None or p.allowed_token_ids is not None or s.bad_words
-                            for p, s in zip(ps, seqs)),
-                   bad_words=any(len(w) > 1 for s in seqs for w in s.bad_words))
-
-
-def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-
 
 class Sampler:
     """Picks the next token of every row. All work is tensor-wide: no per-row Python."""

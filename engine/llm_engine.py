@@ -28,6 +28,7 @@ from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_b
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
+from engine.sample.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
 from engine.scoring import score_choices
@@ -85,6 +86,7 @@ class LLMEngine:
         """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
+        self._prompt_logprobs = False  # some request asked for prompt logprobs: passes check for them
         self.pooler = Pooler(self, self.pooling_info)
 
     def _start_encoder(self) -> None:
@@ -177,6 +179,9 @@ class LLMEngine:
             self.adapters.attach(seq, lora_request)
             if params.structured_outputs is not None:
                 self.grammar.compile(params.structured_outputs)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+                self._prompt_logprobs = True
         except (TypeError, ValueError) as exc:
             seq.fail(str(exc))
             return seq
@@ -248,11 +253,15 @@ class LLMEngine:
     def _run(self, plan: SchedulerOutput) -> Sampled | None:
         """Runs the plan's forward pass and samples the next tokens on the device (None: the
         pass ran out of memory and its prefills were requeued)."""
+        prompt_lp = plan_prompt_logprobs(plan.chunks) if self._prompt_logprobs else None
         try:
-            logits = self.runner.run(self.cache, plan.chunks)
+            logits = self.runner.run(self.cache, plan.chunks, keep=None if prompt_lp is None else prompt_lp.keep)
         except torch.OutOfMemoryError as exc:
             self._out_of_memory(plan, exc)
             return None
+        if prompt_lp is not None:
+            record_prompt_logprobs(prompt_lp, logits)
+            logits = logits[prompt_lp.sampling] if prompt_lp.sampling else None
         self.scheduler.update(plan)
         self.stats.count_pass(plan, self.pool.num_used * self.block_size)
         seqs = [c.seq for c in plan.chunks if c.samples]

@@ -12,7 +12,7 @@ from engine.api.config import EngineConfig
 from engine.api.lora import per_prompt_lora
 from engine.api.pooling import PoolingParams
 from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
-                                       ScoringRequestOutput, completion_outputs)
+                                       ScoringRequestOutput, completion_outputs, prompt_logprobs_of)
 from engine.api.sampling_params import SamplingParams
 
 CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
@@ -75,8 +75,8 @@ class LLM:
         completions = self.llm_engine.generate(ids, sampling_params, lora_request=lora_request)
         loras = per_prompt_lora(lora_request, len(ids))
         decode = self.llm_engine.tokenizer.hf.convert_ids_to_tokens
-        return [RequestOutput(str(next(self._ids)), text, prompt_ids if isinstance(prompt_ids, list) else None, None,
-                              completion_outputs(c, decode, lora), True, c.num_cached_tokens, lora)
+        return [RequestOutput(str(next(self._ids)), text, prompt_ids if isinstance(prompt_ids, list) else None,
+                              prompt_logprobs_of(c, decode), completion_outputs(c, decode, lora), True, c.num_cached_tokens, lora)
                 for text, prompt_ids, c, lora in zip(texts, ids, completions, loras)]
 
     def _prompts(self, prompts) -> tuple[list, list]:

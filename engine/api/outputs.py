@@ -59,6 +59,9 @@ class Completion:
     """All n samples (also for n = 1); the fields above are sample 0's."""
     num_cached_tokens: int = 0
     """Prompt tokens sample 0 found in the prefix cache when first admitted (vLLM's name)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} for it and its
+    top-N alternatives given the tokens before it; the first token's entry is None (vLLM's)."""
 
     @property
     def num_generated_tokens(self) -> int:

@@ -69,6 +69,13 @@ def completion_outputs(c: Completion, decode=None, lora_request=None) -> list[Co
     return outs
 
 
+def prompt_logprobs_of(c: Completion, decode=None) -> list[dict[int, Logprob] | None] | None:
+    """A Completion's prompt logprobs as vLLM returns them: None first, then ranked Logprobs."""
+    if c.prompt_logprobs is None:
+        return None
+    return [None if p is None else _ranked(p, decode) for p in c.prompt_logprobs]
+
+
 def _ranked(position: dict[int, float], decode) -> dict[int, Logprob]:
     order = sorted(position, key=position.get, reverse=True)
     return {t: Logprob(position[t], order.index(t) + 1, decode(t) if decode else None) for t in position}

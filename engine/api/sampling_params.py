@@ -50,6 +50,8 @@ class SamplingParams:
     """Subtracted per occurrence from the logit of tokens already generated; in [-2, 2]."""
     logprobs: int | None = None
     """Return the log-probability of each generated token and of the top-N alternatives (0 = sampled only; N <= the engine's max_logprobs, 20 by default)."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token given the tokens before it, and of its top-N alternatives (0 = the prompt token only; N <= max_logprobs); the first token's entry is None. The prompt is then computed, not taken from the prefix cache."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
     n: int = 1
@@ -89,6 +91,8 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS_CAP)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS_CAP)
         _check_int("n", self.n, low=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")

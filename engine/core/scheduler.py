@@ -190,7 +190,7 @@ class Scheduler:
         i = 0
         while i < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = queue[i]
-            names = self._names(seq, seq.num_tokens - 1) if self.pool.caching else []
+            names = self._lookup_names(seq)
             cached = self.pool.match(names)
             nxt = names[len(cached)] if len(cached) < len(names) else None
             if nxt is not None and nxt in self.inflight:
@@ -243,7 +243,7 @@ class Scheduler:
         (a block several of them share counts once)."""
         k, blocks, seen = 0, 0, set()
         for seq in self.waiting:
-            names = self._names(seq, seq.num_tokens - 1) if self.pool.caching else []
+            names = self._lookup_names(seq)
             blocks += self.pool.blocks_for(seq.num_tokens + 1) - sum(n in seen for n in names)
             seen.update(names)
             if k and (k >= self.max_num_seqs or blocks > self.pool.num_blocks):
@@ -260,6 +260,13 @@ class Scheduler:
         if self.long_rope_after is not None and seq.num_prompt_tokens > self.long_rope_after:
             return salt + b"|long-rope"
         return salt
+
+    def _lookup_names(self, seq: Sequence) -> list[bytes]:
+        """The names of the row's full blocks to look up in the prefix cache on admission (none
+        without caching, or while the row collects prompt logprobs)."""
+        if not self.pool.caching or seq.collects_prompt_logprobs:
+            return []
+        return self._names(seq, seq.num_tokens - 1)
 
     def _names(self, seq: Sequence, limit: int) -> list[bytes]:
         """Chain names of the full blocks among the row's first `limit` tokens (memoised)."""

@@ -75,6 +75,14 @@ class Sequence:
     """The device slot of its adapter while it runs (engine.core.lora_slots)."""
     bad_words: list[tuple[int, ...]] = field(default_factory=list)
     """The token sequences its params.bad_words ban (engine.sample.token_options)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On sample 0 with params.prompt_logprobs: per prompt token so far, {id: logprob} (None first)."""
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Whether it still has prompt logprobs to collect: its prefill then skips the prefix
+        cache (a cached block's positions are never computed; engine.sample.prompt_logprobs)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,4 +142,5 @@ class Sequence:
             stop_reason=self.stop_reason,
             samples=[s.to_sample() for s in samples],
             num_cached_tokens=self.num_cached_tokens or 0,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -23,6 +23,9 @@ def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int) ->
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise ValueError(f"logprobs {params.logprobs} is above max_logprobs ({max_logprobs}; EngineConfig.max_logprobs)")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
+        raise ValueError(f"prompt_logprobs {params.prompt_logprobs} is above max_logprobs ({max_logprobs}; "
+                         "EngineConfig.max_logprobs)")
 
 
 def bad_word_sequences(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:

@@ -2,8 +2,8 @@
 names. Imports the engine's torch-free face (engine.api: config, sampling parameters, structured
 outputs) only: never the engine itself, torch or Ray."""
 from pipeline.errors import SpecError
-from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, SAMPLE_INDEX,
-                                   SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
+from pipeline.spec.columns import (BASE_COLUMNS, FIELDS_COLUMNS, INCOMPLETE, LABEL_COLUMNS, METRICS, PROMPT_LOGPROBS,
+                                   SAMPLE_INDEX, SCORE_PREFIX, check_metric_names, check_metrics, is_failed, output_columns,
                                    score_column)
 from pipeline.spec.fingerprint import ADDED_FIELDS, TUNED_FIELDS
 from pipeline.spec.resume import resumes
@@ -15,7 +15,7 @@ from pipeline.spec.structured import SCHEMA_FILE_FIELDS, StructuredOutputsSpec, 
 from pipeline.spec.schema import (EvalSpec, InputSpec, JobSpec, LabelSpec, OutputSpec, WorkersSpec,
                                   field_reference, validate)
 
-__all__ = ["ADDED_FIELDS", "TUNED_FIELDS", "resumes", "SAMPLING_PARAMS", "row_sampling", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "SAMPLE_INDEX",
+__all__ = ["ADDED_FIELDS", "TUNED_FIELDS", "resumes", "SAMPLING_PARAMS", "row_sampling", "BASE_COLUMNS", "FIELDS_COLUMNS", "INCOMPLETE", "LABEL_COLUMNS", "METRICS", "PROMPT_LOGPROBS", "SAMPLE_INDEX",
            "SCHEMA_FILE_FIELDS", "SCORE_PREFIX", "EvalSpec", "InputSpec", "Job", "JobSpec", "LabelSpec", "OutputSpec",
            "SpecError", "StructuredOutputsSpec", "WorkersSpec", "check_metric_names", "check_metrics",
            "field_reference", "is_failed", "output_columns", "schema_file_refs", "score_column", "validate",

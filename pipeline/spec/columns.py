@@ -46,6 +46,10 @@ METRICS = ("exact_match", "contains", "regex_match", "accuracy")
 SAMPLE_INDEX = "sample_index"
 """With sampling.n > 1, each input row gives n output rows, told apart by this column (0 .. n-1)."""
 
+PROMPT_LOGPROBS = "prompt_logprobs"
+"""With sampling.prompt_logprobs set (generating tasks): list<float64>, each prompt token's logprob
+given the tokens before it, the first null (the OpenAI Batch output carries the top alternatives)."""
+
 SCORE_PREFIX = "score_"
 """Per-row score columns are named SCORE_PREFIX + metric, e.g. score_exact_match."""
 
@@ -67,6 +71,9 @@ def output_columns(spec: JobSpec) -> list[str]:
         elif label.label_regex:
             names.append("label")
     names += POOLING_COLUMNS.get(spec.task, [])
+    if spec.sampling.prompt_logprobs is not None and spec.task not in POOLING_COLUMNS and not (
+            spec.task in ("label", "eval") and (label.choices or label.choices_column)):
+        names.append(PROMPT_LOGPROBS)
     if spec.task == "eval" or (spec.task == "classify" and spec.eval.reference_column):
         names += [score_column(m) for m in spec.eval.metrics]
     if spec.lora.active:

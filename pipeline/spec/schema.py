@@ -258,9 +258,11 @@ def check_task(spec: JobSpec) -> None:
     check_structured(spec)
     check_pooling(spec)
     check_lora(spec)
-    if spec.sampling.logprobs is not None and spec.sampling.logprobs > spec.engine.max_logprobs:
-        raise ValueError(f"sampling.logprobs ({spec.sampling.logprobs}) is above engine.max_logprobs "
-                         f"({spec.engine.max_logprobs}): raise engine.max_logprobs, or ask for fewer")
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(spec.sampling, name)
+        if asked is not None and asked > spec.engine.max_logprobs:
+            raise ValueError(f"sampling.{name} ({asked}) is above engine.max_logprobs "
+                             f"({spec.engine.max_logprobs}): raise engine.max_logprobs, or ask for fewer")
     if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
         raise ValueError("label.choices: give at least one non-empty choice")
     if label.choices and label.choices_column:

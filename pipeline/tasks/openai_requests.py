@@ -48,8 +48,10 @@ IGNORED_FIELDS = {CHAT_URL: ("user", "metadata", "store"), COMPLETIONS_URL: ("us
 """Body fields accepted and ignored, per endpoint (the OpenAI completions API has no metadata or
 store): end-user id, tags and storage choice do not change generation."""
 
+VLLM_FIELDS = ("prompt_logprobs",)
+"""Body fields of vLLM's server beyond OpenAI's API, which batchinfer reads as vLLM does."""
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty",
-                  "frequency_penalty", "logprobs", "stream", "logit_bias")
+                  "frequency_penalty", "logprobs", "stream", "logit_bias") + VLLM_FIELDS
 KNOWN_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS + IGNORED_FIELDS[CHAT_URL]
                         + ("messages", "max_completion_tokens", "top_logprobs", "response_format")),
@@ -230,6 +232,7 @@ def _parse_sampling(body: dict, chat: bool) -> dict:
         raise _RowError(f"body.stream must be false, got {body['stream']!r}")
     _put(sampling, "logprobs", _parse_logprobs(body, chat))
     _put(sampling, "logit_bias", _parse_logit_bias(body.get("logit_bias")))
+    _put(sampling, "prompt_logprobs", _optional(body, "prompt_logprobs", _check_int, 0, 20))  # vLLM's extension
     _put(sampling, "structured_outputs", _parse_response_format(body.get("response_format")))
     return sampling
 

@@ -161,8 +161,24 @@ def output_lines(rows: list[dict], ids: list[str], results: list[RowResult], *, 
             line = response_line(req, choices=choices, prompt_tokens=result.num_prompt_tokens,
                                  completion_tokens=sum(s.num_generated_tokens for s in samples),
                                  model=req.model or model, created=created)
+            if result.prompt_logprobs is not None:
+                line["response"]["body"]["prompt_logprobs"] = prompt_logprobs_json(tokenizer, result.prompt_logprobs)
         lines.append(json.dumps(line, ensure_ascii=False))
     return lines
+
+
+def prompt_logprobs_json(tokenizer, entries: list[dict[int, float] | None]) -> list[dict | None]:
+    """The prompt logprobs of a line's body, as vLLM's server writes them: null for the first token,
+    then per token {token id: {logprob, rank, decoded_token}}, rank 1 the most probable listed."""
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        order = sorted(entry, key=entry.get, reverse=True)
+        out.append({str(t): {"logprob": lp, "rank": order.index(t) + 1, "decoded_token": tokenizer.decode([t])}
+                    for t, lp in entry.items()})
+    return out
 
 
 def token_logprob(tokenizer, step: dict[int, float], n: int) -> TokenLogprob:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pipeline.spec import SCORE_PREFIX, is_failed
+from pipeline.spec import PROMPT_LOGPROBS, SCORE_PREFIX, is_failed
 
 if TYPE_CHECKING:
     from pipeline.tasks.openai_requests import BatchRequest
@@ -68,6 +68,9 @@ class RowResult:
     """An OpenAI Batch pooling line that ran: the engine's outputs of its inputs, in order."""
     adapter: str | None = None
     """With LoRA: the adapter the row ran under (None: the base model)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With sampling.prompt_logprobs: per prompt token, {token id: logprob} for it (first) and its top
+    alternatives; None for the first token. Its column keeps each prompt token's own logprob."""
 
     def sample_results(self, n: int = 1) -> list[RowResult]:
         """The results of the row's output rows: its samples, or, for a row that drew none (it
@@ -96,4 +99,7 @@ class RowResult:
         """The value of output column `name`."""
         if name.startswith(SCORE_PREFIX):
             return self.scores.get(name)
+        if name == PROMPT_LOGPROBS:
+            return None if self.prompt_logprobs is None else [
+                None if e is None else next(iter(e.values())) for e in self.prompt_logprobs]
         return getattr(self, name)

@@ -18,7 +18,8 @@ _SCORES = pa.list_(pa.float64())
 COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
                 "finish_reason": pa.string(), "error": pa.string(), SAMPLE_INDEX: pa.int64(), "label": pa.string(),
                 "label_probs": _SCORES, "label_logprobs": _SCORES, "label_logprobs_per_token": _SCORES,
-                "class_label": pa.string(), "class_probs": pa.list_(pa.float32()), "score": pa.float64()}
+                "class_label": pa.string(), "class_probs": pa.list_(pa.float32()), "score": pa.float64(),
+                "prompt_logprobs": _SCORES}
 """Arrow types of the columns the task writes (score_<metric> columns are float64), so that
 every part of a job has the same schema, whatever its rows held."""
 

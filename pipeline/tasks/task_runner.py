@@ -372,13 +372,14 @@ def _generated(c, sp, req, job_n: int = 1) -> RowResult:
         return result
 
     result = one(c.text, c.num_generated_tokens, c.finish_reason, c.error, c.logprobs)
+    result.prompt_logprobs = getattr(c, "prompt_logprobs", None)
     if sp.n == 1:
         if job_n > 1:
             result.samples = [replace(result)]  # its one sample: the only row it writes
         return result
     if len(c.samples) == sp.n:
-        result.samples = [one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index,
-                              s.num_cached_tokens) for s in c.samples]
+        result.samples = [replace(one(s.text, s.num_generated_tokens, s.finish_reason, s.error, s.logprobs, s.index,
+                                      s.num_cached_tokens), prompt_logprobs=result.prompt_logprobs) for s in c.samples]
     else:
         result.samples = result.sample_results(sp.n)
     return result

@@ -2,11 +2,13 @@
 skip_special_tokens): the rows the engine writes under them, and their fingerprint."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from pipeline.errors import SpecError
-from pipeline.spec import validate
+from pipeline.spec import output_columns, validate
 from pipeline.tasks import TaskRunner
 
 BASE = {"input": {"path": "in.jsonl"}, "output": {"path": "out/"}}
@@ -73,3 +75,40 @@ def test_a_processor_rows_sampling_params_from_preprocess():
     rows = {r["n"]: r for r in processor(ray.data.from_items([{"n": n} for n in range(5)])).take_all()}
     assert [rows[n]["num_generated_tokens"] for n in range(1, 5)] == [1, 2, 3, 4]
     assert rows[0]["finish_reason"] == "error" and rows[0]["error"].startswith("sampling_params: temperature")
+
+
+def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
+    from pipeline.tasks.table import output_table
+
+    spec = validate({**BASE, "sampling": {"max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 1}})
+    assert validate({**BASE, "sampling": {"prompt_logprobs": None}}).fingerprint() == validate(BASE).fingerprint()
+    assert spec.fingerprint() != validate({**BASE, "sampling": {"max_tokens": 2, "temperature": 0, "n": 2}}).fingerprint()
+    rows = [{"prompt": "abc"}, {"prompt": "hello there"}]
+    results = TaskRunner(spec, tiny).run(rows, ["0", "1"], [None, None])
+    table = output_table(spec, rows, ["0", "1"], results).to_pylist()
+    want = tiny.generate(["abc", "hello there"], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert len(table) == 4  # two samples per row, each with its row's prompt logprobs
+    for record in table:
+        w = want[int(record["id"])].prompt_logprobs
+        assert record["prompt_logprobs"][0] is None and len(record["prompt_logprobs"]) == len(w)
+        assert record["prompt_logprobs"][1:] == pytest.approx([next(iter(e.values())) for e in w[1:]])
+    assert "prompt_logprobs" not in output_columns(validate({**BASE, "task": "label", "label": {"choices": ["a", "b"]},
+                                                             "sampling": {"prompt_logprobs": 0}}))
+    with pytest.raises(SpecError, match="sampling.prompt_logprobs .21. is above engine.max_logprobs"):
+        validate({**BASE, "sampling": {"prompt_logprobs": 21}})
+
+    oa = validate({"input": {"path": "in.jsonl", "format": "openai_batch"}, "output": {"path": "out/", "format": "openai_batch"}})
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 2}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "abc", "max_tokens": 1}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 30}}]
+    runner = TaskRunner(oa, tiny)
+    out = [json.loads(x) for x in runner.openai_lines(lines, ["a", "b", "c"],
+                                                       runner.run(lines, ["a", "b", "c"], [None] * 3), 1700000000)]
+    body = out[0]["response"]["body"]
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    second = body["prompt_logprobs"][1]
+    assert {v["rank"] for v in second.values()} >= {1, 2} and all("decoded_token" in v for v in second.values())
+    assert "prompt_logprobs" not in out[1]["response"]["body"]
+    assert out[2]["error"]["message"] == "body.prompt_logprobs must be in [0, 20], got 30"

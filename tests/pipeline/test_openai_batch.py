@@ -7,7 +7,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import TypeAdapter
 
-from pipeline.tasks.openai_requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, BatchRequest, parse_request,
+from pipeline.tasks.openai_requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, VLLM_FIELDS, BatchRequest, parse_request,
                                             unknown_fields_error)
 from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, response_line
 
@@ -30,8 +30,9 @@ def error_of(obj) -> str | None:
 
 
 def test_known_fields_are_real_openai_fields():
-    assert KNOWN_FIELDS[CHAT_URL] <= set(chat_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
-    assert KNOWN_FIELDS[COMPLETIONS_URL] <= set(completion_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    extra = {"stream", *VLLM_FIELDS}
+    assert KNOWN_FIELDS[CHAT_URL] <= set(chat_params.CompletionCreateParamsBase.__annotations__) | extra
+    assert KNOWN_FIELDS[COMPLETIONS_URL] <= set(completion_params.CompletionCreateParamsBase.__annotations__) | extra
 
 
 def test_valid_chat_request():

@@ -1,0 +1,77 @@
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`): the log-probability of each prompt
+token given the tokens before it, and of its top-N alternatives; the first token has none.
+
+A row that asks for them keeps the logits of every prompt position its prefill computes (the
+pass keeps those rows besides each sampling chunk's last token), and skips the prefix cache
+until all its prompt entries are in: a cached block's positions are never computed, so their
+logits would be missing. The entries are the model's raw distribution (log_softmax of its
+logits, before temperature, penalties or bias), as vLLM returns them and as a teacher-forced
+transformers forward computes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.scheduler import ScheduledChunk
+from engine.core.sequence import Sequence
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Which logits a pass keeps when some chunk collects prompt logprobs."""
+
+    keep: list[int]
+    """Token indices of the pass whose logits are returned, ascending."""
+    sampling: list[int]
+    """Rows of the returned logits that are the sampling chunks' last tokens, in chunk order."""
+    collect: list[tuple[Sequence, int, int]]
+    """(row, first returned logits row, count): logits rows predicting the row's next prompt entries."""
+
+
+def plan_prompt_logprobs(chunks: list[ScheduledChunk]) -> PromptLogprobPlan | None:
+    """The pass's kept logits, or None when no chunk collects prompt logprobs (the usual pass)."""
+    keep: list[int] = []
+    sampling: list[int] = []
+    collect: list[tuple[Sequence, int, int]] = []
+    offset = 0
+    for c in chunks:
+        seq = c.seq
+        if seq.collects_prompt_logprobs:
+            # position p predicts token p + 1: the entries still missing start at len(prompt_logprobs)
+            first = max(c.start, len(seq.prompt_logprobs) - 1)
+            last = min(c.start + c.count, seq.num_prompt_tokens - 1)  # exclusive
+            if first < last and first == len(seq.prompt_logprobs) - 1:
+                collect.append((seq, len(keep), last - first))
+                keep.extend(range(offset + first - c.start, offset + last - c.start))
+        if c.samples:
+            sampling.append(len(keep))
+            keep.append(offset + c.count - 1)
+        offset += c.count
+    if not collect:
+        return None
+    return PromptLogprobPlan(keep, sampling, collect)
+
+
+def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> None:
+    """Appends each collecting row's entries, {token id: logprob} for the prompt token (first)
+    and its top-N alternatives, from the pass's kept logits (one host transfer)."""
+    rows = torch.cat([torch.arange(start, start + n) for _, start, n in plan.collect]).to(logits.device)
+    lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    targets = [t for seq, _, n in plan.collect
+               for t in seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]]
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    top_n = max(seq.params.prompt_logprobs for seq, _, _ in plan.collect)
+    top = lp.topk(top_n) if top_n else None
+    values = top.values.tolist() if top is not None else None
+    ids = top.indices.tolist() if top is not None else None
+    k = 0
+    for seq, _, n in plan.collect:
+        want = seq.params.prompt_logprobs
+        for _ in range(n):
+            entry = {targets[k]: chosen[k]}
+            if want:
+                entry.update(zip(ids[k][:want], values[k][:want]))
+            seq.prompt_logprobs.append(entry)
+            k += 1

@@ -152,15 +152,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        bs = self.pool.block_size
+        chunks = out.chunks
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + n, out):
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            # most passes a row's blocks already hold its next token: no growth to consider
+            if start + n > len(seq.block_ids) * bs and not self._grow(seq, start + n, out):
                 continue
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            chunks.append(ScheduledChunk(seq, start, n))
             budget -= n
         if not out.preempted:
             self._admit(out, budget)

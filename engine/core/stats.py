@@ -46,14 +46,18 @@ class StatsCollector:
     def count_pass(self, plan: SchedulerOutput, used_tokens: int) -> None:
         """A forward pass of `plan` ran: its tokens, and the KV tokens in use after it."""
         st = self.stats
-        decode_rows = sum(1 for c in plan.chunks if c.count == 1 and c.start >= c.seq.num_prompt_tokens)
+        decode_rows = prompt_tokens = 0
+        for c in plan.chunks:
+            if c.count == 1 and c.start >= len(c.seq.prompt_token_ids):
+                decode_rows += 1
+            else:
+                prompt_tokens += c.count
         if decode_rows == len(plan.chunks):
             st.decode_steps += 1
         else:
             st.prefill_steps += 1
         st.computed_rows += decode_rows
-        st.padded_prompt_tokens += sum(c.count for c in plan.chunks
-                                       if c.count > 1 or c.start < c.seq.num_prompt_tokens)
+        st.padded_prompt_tokens += prompt_tokens
         st.reserved_tokens = max(st.reserved_tokens, used_tokens)
         st.preemptions += len(plan.preempted)
 

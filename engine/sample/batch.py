@@ -219,9 +219,10 @@ class Batch:
         finished = set(np.flatnonzero(host[1]).tolist())
         text = self.h_text[slots]
         if text.any():
-            finished |= stop_string_hits(self.tokenizer, [
-                (i, seqs[i]) for i in np.flatnonzero(text).tolist()
-                if self.h_steps[slots[i]] >= self.h_min[slots[i]] and seqs[i].stop_checker.may_stop(new[i])])
+            # rows with stop strings past min_tokens whose new token can end one
+            due = np.flatnonzero(text & (self.h_steps[slots] >= self.h_min[slots])).tolist()
+            finished |= stop_string_hits(self.tokenizer, [(i, seqs[i]) for i in due
+                                                          if seqs[i].stop_checker.may_stop(new[i])])
         if not finished:
             return []
         done_seqs = [seqs[i] for i in sorted(finished)]

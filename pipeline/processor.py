@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,8 +22,11 @@ import pyarrow as pa
 from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
 from pipeline.run import EngineActor, engine_stage_args, with_adapters
+from pipeline.run.devices import picks_devices, resolve_devices
 from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
+
+log = logging.getLogger(__name__)
 
 SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed", "lora", "embed", "score")
 """The job spec's keys a processor takes: all but input, output, report and max_error_rate."""
@@ -62,10 +66,17 @@ class Processor:
     """Output row -> the row returned."""
 
     def __call__(self, ds):
-        workers = self.spec.workers
+        spec = self.spec
+        if picks_devices(spec):  # engine.device auto: GPUs where the cluster has them, one per rank
+            import ray
+
+            spec = spec.model_copy(deep=True)
+            if ray.is_initialized():
+                log.info(resolve_devices(spec).line)
+        workers = spec.workers
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
-        ds = ds.map_batches(RowWorker, fn_constructor_kwargs={"spec": self.spec}, batch_format="pyarrow",
+        ds = ds.map_batches(RowWorker, fn_constructor_kwargs={"spec": spec}, batch_format="pyarrow",
                             batch_size=workers.rows_per_batch, **engine_stage_args(workers))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)

@@ -27,6 +27,7 @@ from pipeline.run.preflight import preflight
 from pipeline.run.progress import as_progress
 from pipeline.run.ray_env import ensure_ray
 from pipeline.run.report import PartTotals
+from pipeline.run.devices import picks_devices, resolve_devices
 from pipeline.run.resources import check_resources
 from pipeline.run.unique_ids import check_unique_ids
 from pipeline.spec import Job, resumes
@@ -100,8 +101,11 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()
+    chosen = _choose_devices(job, out, record, progress)
+    tp = job.spec.engine.tensor_parallel_size
     try:
-        check_resources(job.spec.workers, progress)
+        check_resources(job.spec.workers, progress, gpus_by=f"engine.tensor_parallel_size {tp} on GPUs (engine.device auto)"
+                        if chosen else "workers.gpus")
     except ResourceError as exc:
         raise JobError(str(exc)) from None
     removed = out.storage.remove_temporaries(out.storage.path("data"))
@@ -184,8 +188,10 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
             record["fingerprint"] = job.fingerprint
             out.write_json("_job.json", record)
         numerics = job.spec.numerics()
-        # (older outputs did not record them; a complete one is not resumed, whatever would compute)
-        if record is not None and record.get("numerics", numerics) != numerics and not out.is_complete():
+        # (older outputs did not record them; a complete one is not resumed, whatever would compute;
+        # where batchinfer picks the devices, _choose_devices checks once it has the cluster)
+        if record is not None and record.get("numerics", numerics) != numerics and not out.is_complete() \
+                and not picks_devices(job.spec):
             raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
         if record is None:
             spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
@@ -197,6 +203,23 @@ def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
         raise
     except (OSError, PermissionError, ValueError) as exc:
         raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
+
+
+def _choose_devices(job: Job, out: OutputDir, record: dict, progress) -> bool:
+    """engine.device auto with workers.gpus unset: GPUs where the cluster has them (one per rank).
+    A fresh output records the numerics chosen; a resumed one generated on CPU stays on CPU.
+    Returns whether batchinfer chose GPUs."""
+    resumed = out.storage.exists(out.storage.path("data"))
+    was = record.get("numerics") or {}
+    choice = resolve_devices(job.spec, keep_cpu=resumed and was.get("device") == "cpu")
+    progress(choice.line)
+    numerics = job.spec.numerics()
+    if choice.resolved and record.get("numerics") != numerics:
+        if resumed and "numerics" in record:
+            raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
+        record["numerics"] = numerics
+        out.write_json("_job.json", record)
+    return choice.resolved and choice.gpus > 0
 
 
 def _conflict(job: Job, record: dict) -> str:

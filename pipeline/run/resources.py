@@ -58,24 +58,27 @@ def scalable(need: dict[str, float], node_groups: list[dict[str, float]]) -> boo
     return any(all(group.get(k, 0.0) >= v for k, v in need.items()) for group in node_groups)
 
 
-def describe(need: dict, missing: tuple[str, float]) -> str:
+def describe(need: dict, missing: tuple[str, float], gpus_by: str = "workers.gpus") -> str:
     key, most = missing
-    knob = {"CPU": "workers.cpus", "GPU": "workers.gpus"}.get(key, key)
-    return (f"{knob}={need[key]:g}: no node of the Ray cluster has {need[key]:g} {key} for one engine actor "
+    knob = {"CPU": "workers.cpus", "GPU": gpus_by}.get(key, key)
+    if knob.startswith("workers."):
+        knob = f"{knob}={need[key]:g}"
+    return (f"{knob}: no node of the Ray cluster has {need[key]:g} {key} for one engine actor "
             f"(most on one node: {most:g})")
 
 
-def check_resources(workers: WorkersSpec, progress=lambda message: None) -> None:
-    """Raises ResourceError when one actor cannot be placed (Ray must be initialised)."""
+def check_resources(workers: WorkersSpec, progress=lambda message: None, gpus_by: str = "workers.gpus") -> None:
+    """Raises ResourceError when one actor cannot be placed (Ray must be initialised). `gpus_by`:
+    what set the GPUs it asks for, as the error names it."""
     import ray
 
     need = actor_request(workers)
-    missing = shortfall(need, _alive_nodes(ray))
+    missing = shortfall(need, alive_nodes(ray))
     if missing is None:
         return
-    groups = _node_groups()
+    groups = node_groups()
     if not scalable(need, groups):
-        raise ResourceError(describe(need, missing) + "; lower it, or use a cluster that has such nodes")
+        raise ResourceError(describe(need, missing, gpus_by) + "; lower it, or use a cluster that has such nodes")
     wait = workers.resource_wait_s
     progress(f"waiting up to {wait:g}s for the autoscaler to add a node with {need}")
     from ray.autoscaler.sdk import request_resources
@@ -84,17 +87,17 @@ def check_resources(workers: WorkersSpec, progress=lambda message: None) -> None
     deadline = time.time() + wait
     while time.time() < deadline:
         time.sleep(min(POLL_S, max(deadline - time.time(), 0.0)))
-        if shortfall(need, _alive_nodes(ray)) is None:
+        if shortfall(need, alive_nodes(ray)) is None:
             return
-    raise ResourceError(describe(need, missing) + f" after waiting workers.resource_wait_s={wait:g}s "
+    raise ResourceError(describe(need, missing, gpus_by) + f" after waiting workers.resource_wait_s={wait:g}s "
                         "for the autoscaler")
 
 
-def _alive_nodes(ray) -> list[dict[str, float]]:
+def alive_nodes(ray) -> list[dict[str, float]]:
     return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
-def _node_groups() -> list[dict[str, float]]:
+def node_groups() -> list[dict[str, float]]:
     """Resources per node of each node type the autoscaler may still add; [] without one."""
     from ray._private.state import state  # the cluster config Ray Data's own autoscaling reads
 

@@ -179,6 +179,10 @@ def report(output, as_json, options):
     click.echo(report_table(data))
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
 def report_table(data: dict) -> str:
     usage = data.get("usage", {})
     rows = [("output", data["output"]), ("status", data["status"]),
@@ -205,6 +209,15 @@ def report_table(data: dict) -> str:
         for name, w in sorted(workers.items()):
             lines.append(f"{name[:24].ljust(24)} {w['shards']:>7} {w['rows']:>9} {w['generated_tokens']:>10} "
                          f"{w['seconds']:>9.1f} {w['tokens_per_second']:>8.1f}")
+    engines = data.get("engines", [])
+    if engines:  # what each engine resolved to and held: device, dtype, method, weights, KV pool
+        lines += ["", f"{'engine':<24} {'quantization':>12} {'weights':>10} {'KV blocks':>9} {'KV pool':>10} "
+                      f"{'batched':>8} {'shards':>7}"]
+        for e in engines:
+            tp = f" x{e['tensor_parallel_size']}" if (e.get("tensor_parallel_size") or 1) > 1 else ""
+            lines.append(f"{(e['device'] + ' ' + e['dtype'] + tp)[:24]:<24} {e.get('quantization') or '-':>12} "
+                         f"{_mib(e.get('weights_bytes')):>10} {e.get('kv_blocks') or 0:>9} {_mib(e.get('kv_bytes')):>10} "
+                         f"{e.get('max_num_batched_tokens') or '-':>8} {e['shards']:>7}")
     adapters = data.get("adapters", {})
     if adapters:  # metrics.json's per-adapter figures: one table compares the fine-tunes
         metrics = [m for m in next(iter(adapters.values())) if m != "rows"]

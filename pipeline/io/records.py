@@ -102,6 +102,9 @@ class CommitRecord(Counts):
     """The max_batch_tokens budgets those retries ran at."""
     max_batch_tokens: int | None = None
     """The engine budget the part was generated at."""
+    engine: dict | None = None
+    """The engine that generated the part (pipeline.tasks.engines.ENGINE_FACTS): resolved device, dtype
+    and quantization, weights' bytes, KV pool blocks and bytes, max_num_batched_tokens."""
 
     @classmethod
     def from_dict(cls, data: dict) -> CommitRecord:

@@ -17,7 +17,7 @@ from engine.api import RankError, one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
 from pipeline.run import chaos
-from pipeline.tasks import (empty_device_cache, is_out_of_memory, output_table, start_engine,
+from pipeline.tasks import (empty_device_cache, engine_facts, is_out_of_memory, output_table, start_engine,
                             stop_engine)
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class ShardWorker(EngineActor):
                          cached_prompt_tokens=cached,
                          read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
                          oom_retries=len(budgets), oom_budgets=budgets,
-                         max_batch_tokens=self._pool_tokens())
+                         max_batch_tokens=self._pool_tokens(), engine=engine_facts(self.engine))
         chaos.point("shard")
         before_commit = time.perf_counter()
         record.seconds = before_commit - started

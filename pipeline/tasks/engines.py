@@ -67,3 +67,20 @@ def share_cpu_threads(num_workers: int) -> None:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+
+
+ENGINE_FACTS = ("device", "dtype", "quantization", "tensor_parallel_size", "weights_bytes", "kv_blocks", "block_size",
+                "kv_bytes", "kv_cache_dtype", "max_num_batched_tokens")
+"""What a part's record says about the engine that generated it (the manifest's `engines`)."""
+
+
+def engine_facts(engine) -> dict | None:
+    """The resolved device, dtype and quantization of `engine`, its weights' bytes, its KV pool's
+    blocks and bytes and its max_num_batched_tokens (None for an engine without them: echo)."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or not hasattr(engine, "memory"):
+        return None
+    facts = {"device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+             "max_num_batched_tokens": engine.max_num_batched_tokens, **engine.memory}
+    return {k: facts.get(k) for k in ENGINE_FACTS}
+

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import committed_ids, read_output, write_jsonl
+from engine import EngineConfig, LLMEngine
 from jobs.cli import main
 from pipeline.index import part_entries
 
@@ -204,6 +205,19 @@ def test_cost_and_throughput_report(tmp_path):
     assert re.search(r"status\s+complete", shown.output) and re.search(r"shards committed\s+3 of 3", shown.output)
     data = json.loads(CliRunner().invoke(main, ["report", str(out), "--json"]).output)
     assert data["rows"] == 12 and data["generated_tokens"] == 60 and len(data["workers"]) == 1
+    assert "devices: the Ray cluster has no GPUs: each engine actor runs its one rank on CPU" in text
+    # the engine that generated the parts, as resolved: the same figures an engine of this spec reports
+    (engine,) = json.loads((out / "manifest.json").read_text())["engines"]
+    spec = json.loads((out / "manifest.json").read_text())["spec"]
+    want = LLMEngine(EngineConfig(model=spec["model"], **{k: spec["engine"][k] for k in ("max_batch_tokens",
+                                                                                         "max_num_seqs")}))
+    memory = want.memory
+    assert engine == {"device": "cpu", "dtype": "float32", "quantization": None, "tensor_parallel_size": 1,
+                      "weights_bytes": memory["weights_bytes"], "kv_blocks": memory["kv_blocks"],
+                      "block_size": memory["block_size"], "kv_bytes": memory["kv_bytes"], "kv_cache_dtype": "auto",
+                      "max_num_batched_tokens": want.max_num_batched_tokens, "shards": 3, "rows": 12}
+    assert engine["weights_bytes"] > 0 and engine["kv_bytes"] > 0 and data["engines"] == [engine]
+    assert re.search(r"cpu float32\s+-\s+[0-9.]+ MiB\s+\d+\s+[0-9.]+ MiB\s+\d+\s+3", shown.output), shown.output
     missing = CliRunner().invoke(main, ["report", str(tmp_path / "nothing")])
     assert missing.exit_code == 1 and "no batchinfer job" in missing.output
 

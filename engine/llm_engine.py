@@ -28,7 +28,7 @@ from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_b
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
-from engine.sample.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
+from engine.sample.prompt_logprobs import collect_tokens, plan_prompt_logprobs, record_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
 from engine.scoring import score_choices
@@ -77,6 +77,7 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.continuous, self.salt,
                                    long_rope_after=longrope.original if longrope is not None else None,
                                    lora_slots=self.adapters.slots)
+        self.scheduler.collect_tokens = collect_tokens(self.runner.vocab_size)
         self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.stats = StatsCollector()
         """Figures of the batch running now; closed ones go to batch_stats."""

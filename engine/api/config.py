@@ -59,7 +59,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """auto = the model's dtype; fp8 = float8 e4m3 keys and values (CUDA, compute capability >= 8.9): half the bytes (vLLM's name)."""
     quantization: str | None = None
-    """null = the model's dtype; int8 = int8 weights per output channel (CPU, CUDA); fp8 = float8 e4m3 weights and activations (CUDA, compute capability >= 8.9) (vLLM's name)."""
+    """null = the model's dtype; int8 = int8 weights per output channel (CPU, CUDA); int4 = 4-bit weights in groups of 128, weight-only (CPU, CUDA); fp8 = float8 e4m3 weights and activations (CUDA, compute capability >= 8.9); each layer quantized as it is read (vLLM's name)."""
     enable_prefix_caching: bool = True
     """Share the KV blocks of prompt prefixes between requests: computed once, held once (vLLM's name)."""
     prefix_cache_tokens: int | None = None
@@ -117,8 +117,8 @@ class EngineConfig:
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"quantization must be null, int8 or fp8, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "fp8"):
+            raise ValueError(f"quantization must be null, int8, int4 or fp8, got {self.quantization!r}")
         if self.structured_outputs_backend not in STRUCTURED_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_BACKENDS)}, "
                              f"got {self.structured_outputs_backend!r}")

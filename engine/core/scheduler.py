@@ -115,6 +115,9 @@ class Scheduler:
         """Share of their remaining max_tokens that admission expects rows to generate: 0 (rows
         are admitted for prompt + next token) until the pool runs out; see GROWTH_STEP."""
         self._sorted = True
+        self.collect_tokens = max_num_batched_tokens
+        """Most prompt tokens that rows collecting prompt logprobs compute in one pass (each keeps
+        its logits: the engine bounds their bytes, engine.sample.prompt_logprobs)."""
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._collect = self.collect_tokens
         bs = self.pool.block_size
         chunks = out.chunks
         for seq in list(self.running):
@@ -161,6 +165,10 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
+            if seq.collects_prompt_logprobs:
+                n = self._collected(n)
+                if not n:
+                    continue
             # most passes a row's blocks already hold its next token: no growth to consider
             if start + n > len(seq.block_ids) * bs and not self._grow(seq, start + n, out):
                 continue
@@ -169,6 +177,12 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         return out
+
+    def _collected(self, n: int) -> int:
+        """Tokens of a row collecting prompt logprobs this pass: what is left of collect_tokens."""
+        n = min(n, self._collect)
+        self._collect -= n
+        return n
 
     def _grow(self, seq: Sequence, tokens: int, out: SchedulerOutput) -> bool:
         """Gives `seq` the blocks `tokens` positions need, preempting the most recently admitted
@@ -224,6 +238,8 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.collects_prompt_logprobs:
+                n = max(1, self._collected(n))  # admitted: it computes at least one token now
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
 

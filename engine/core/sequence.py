@@ -142,5 +142,5 @@ class Sequence:
             stop_reason=self.stop_reason,
             samples=[s.to_sample() for s in samples],
             num_cached_tokens=self.num_cached_tokens or 0,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.finish_reason != "error" else None,
         )

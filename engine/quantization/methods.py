@@ -1,13 +1,14 @@
-"""Quantized weights: int8 (weight-only, per output channel; CPU and CUDA) and fp8 (e4m3
-weights with per-channel scales and dynamic per-token activation scales; CUDA, compute
-capability >= 8.9).
+"""Quantized weights: int8 (per output channel; CPU and CUDA), int4 (weight-only, groups of 128;
+engine.quantization.int4) and fp8 (e4m3 weights with per-channel scales and dynamic per-token
+activation scales; CUDA, compute capability >= 8.9). Each linear layer is quantized as its
+weight is read where the checkpoint allows (engine.quantization.streaming), else after loading.
 
 Every linear layer of the decoder is replaced after loading; the embedding stays in the
 model's dtype (a lookup reads one row per token, so it costs no bandwidth worth saving). The
 LM head is quantized too with int8: it is the largest matrix a decode step reads (on CPU its
 float32 copy would otherwise be prepacked, a second copy of 4 bytes a weight), and its logits
-stay within the tolerance the tests hold. MoE routers stay in the model's dtype (a flipped
-expert choice changes more than a rounding).
+stay within the tolerance the tests hold; int4 and fp8 keep the head in the model's dtype. MoE
+routers stay in the model's dtype (a flipped expert choice changes more than a rounding).
 """
 from __future__ import annotations
 
@@ -18,9 +19,20 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "fp8")
+METHODS = ("int8", "int4", "fp8")
 FP8_MAX = 448.0
 """Largest finite float8 e4m3 value."""
+
+
+CHUNK_ELEMENTS = 1 << 18
+"""Weights are rounded a block of rows at a time, about this many values: the float32 temporary
+of quantizing stays 1 MiB whatever the layer (the LM head of a 128k vocabulary is 0.5-1 GiB)."""
+
+
+def row_chunks(w: torch.Tensor) -> list[slice]:
+    """Row blocks of `w` (N, K) of about CHUNK_ELEMENTS values each."""
+    step = max(1, CHUNK_ELEMENTS // max(1, w.shape[1]))
+    return [slice(i, min(i + step, w.shape[0])) for i in range(0, w.shape[0], step)]
 
 
 class Int8Linear(nn.Module):
@@ -34,9 +46,12 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        w = weight.detach().float().contiguous()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        w = weight.detach()
+        scale = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float().clamp(min=1e-12) / 127.0  # no |w| copy
+        qweight = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        for rows in row_chunks(w):  # a float32 temporary of 1 MiB, never one of the whole matrix
+            qweight[rows] = w[rows].float().div(scale[rows, None]).round_().clamp_(-127, 127)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
@@ -139,27 +154,47 @@ def check_method(method: str | None, device: torch.device) -> None:
         raise ValueError(f"quantization fp8 needs a CUDA device of compute capability >= 8.9 (Ada, Hopper), not {where}")
 
 
+def quantizer(method: str, leaf: str, child: nn.Module, head: nn.Module | None, dtype: torch.dtype,
+              device: torch.device):
+    """(weight, bias) -> the quantized module replacing linear layer `child` (named `leaf` in its
+    parent), or None where it stays in the model's dtype: an MoE router, the LM head (but with
+    int8), or a layer whose shape the int4 kernels do not take."""
+    from transformers.pytorch_utils import Conv1D
+
+    from engine.quantization.int4 import Int4Linear, int4_supported
+
+    if leaf in ("gate", "router") and isinstance(child, nn.Linear) and child.out_features < 512:
+        return None  # an MoE router: few outputs, and its choice is discrete
+    if child is head and method != "int8":
+        return None
+    out_features, in_features = (child.weight.shape[::-1] if isinstance(child, Conv1D) else child.weight.shape)
+    if method == "int4":
+        if not int4_supported(out_features, in_features, device):
+            return None
+        return lambda weight, bias: Int4Linear.from_weight(weight, bias, dtype, device)
+    make = Int8Linear if method == "int8" else Fp8Linear
+    return lambda weight, bias: make(weight, bias, dtype).to(device)
+
+
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     """Replaces the model's linear layers in place; returns how many were replaced."""
     from transformers.pytorch_utils import Conv1D
 
-    make = Int8Linear if method == "int8" else Fp8Linear
     head = model.get_output_embeddings()
     total = sum(p.numel() for p in model.parameters())  # before: quantized weights become buffers
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if name in ("gate", "router") and isinstance(child, nn.Linear) and child.out_features < 512:
-                continue  # an MoE router: few outputs, and its choice is discrete
-            if child is head and method != "int8":
-                continue
             if isinstance(child, nn.Linear):
                 weight, bias = child.weight, child.bias
             elif isinstance(child, Conv1D):  # GPT-2's linears store (in, out)
                 weight, bias = child.weight.T, child.bias
             else:
                 continue
-            setattr(parent, name, make(weight, bias, dtype).to(weight.device))
+            make = quantizer(method, name, child, head, dtype, weight.device)
+            if make is None:
+                continue
+            setattr(parent, name, make(weight, bias))
             count += 1
     # MoE experts kept as 3-D tensors (transformers 5's Mixtral, Qwen3-MoE) are no linear layers
     experts = sum(p.numel() for p in model.parameters() if p.ndim >= 3 and p.is_floating_point())

@@ -57,21 +57,7 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
     as it loads (the engine requantizes it)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from engine.runner import attention
-
-    check_weights(model_dir, config.allow_pickle)
-    quiet_transformers()
-    chosen = config.extra.get("attn_implementation")
-    if chosen is not None and chosen != attention.IMPLEMENTATION:
-        raise ModelLoadError(f"engine.extra attn_implementation={chosen!r} cannot be used: the engine runs "
-                             f"attention over its paged KV pool ({attention.IMPLEMENTATION}); remove the key")
-    try:
-        check_architecture(read_config(config, model_dir))
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load model config from {model_dir}: {one_line(exc)}") from exc
-    kwargs = {**config.extra, "attn_implementation": attention.register()}
+    kwargs = {**config.extra, "attn_implementation": _prepare_load(config, model_dir)}
     if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
         try:
             from transformers.utils.quantization_config import CompressedTensorsConfig
@@ -93,6 +79,47 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
         what = f"{checkpoint_quantization} checkpoint " if checkpoint_quantization else ""
         raise ModelLoadError(f"cannot load {what}model from {model_dir}: {one_line(exc)}") from exc
     return model.to(device).eval()
+
+
+def _prepare_load(config: EngineConfig, model_dir: Path) -> str:
+    """Checks the weights' files and the architecture; returns the attention implementation."""
+    from engine.runner import attention
+
+    check_weights(model_dir, config.allow_pickle)
+    quiet_transformers()
+    chosen = config.extra.get("attn_implementation")
+    if chosen is not None and chosen != attention.IMPLEMENTATION:
+        raise ModelLoadError(f"engine.extra attn_implementation={chosen!r} cannot be used: the engine runs "
+                             f"attention over its paged KV pool ({attention.IMPLEMENTATION}); remove the key")
+    try:
+        check_architecture(read_config(config, model_dir))
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model config from {model_dir}: {one_line(exc)}") from exc
+    return attention.register()
+
+
+def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, method: str, head: str = "causal",
+                         extra_bytes=lambda model: 0):
+    """The model with its linear layers quantized with `method` as each is read (nothing of it in
+    full precision at once): (model, its weights' bytes unquantized), or None where that cannot
+    be (the checkpoint's tensors are named otherwise, engine.extra keys for from_pretrained are
+    set): load_model, then quantize. `extra_bytes(model)`: what the unquantized model (its
+    parameters on the meta device) would add beyond its parameters."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from engine.quantization.streaming import load_quantized
+
+    attn = _prepare_load(config, model_dir)
+    if set(config.extra) - {"attn_implementation"}:
+        return None
+    cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
+    try:
+        return load_quantized(cls, read_config(config, model_dir), model_dir, method, dtype, device, attn,
+                              config.trust_remote_code, extra_bytes)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method}: {one_line(exc)}") from exc
 
 
 def adapter_targets(config: EngineConfig, model_dir: Path) -> dict[str, tuple[int, int]]:

@@ -20,7 +20,8 @@ from engine.quantization.methods import check_method, checkpoint_method, quantiz
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.loader import check_architecture, load_model, model_head, pack_lm_head, packs_head
+from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
+                                  packs_head)
 from engine.runner.memory import used_before_load
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
@@ -66,8 +67,17 @@ class ModelRunner:
         self.shard: tuple | None = None
         """(tp styles, fused sections, rank, n) under tensor parallelism (how LoRA shards adapters)."""
         if self.tensor_parallel_size == 1:
-            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
-            self._quantize(self.model)
+            loaded = None
+            if self.quantization is not None and checkpoint is None:
+                loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
+                                              self.head, self._packed_head_extra)
+            self.streamed = loaded is not None
+            """Whether the weights were quantized layer by layer as they were read."""
+            if loaded is not None:
+                self.model, self.unquantized_nbytes = loaded
+            else:
+                self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
+                self._quantize(self.model)
         else:
             self.model = self._load_shard(config, hf_config, checkpoint)
         text_config = self.model.config.get_text_config(decoder=True)
@@ -146,14 +156,19 @@ class ModelRunner:
         is tied to the input embedding, and a bias where it had none)."""
         if self.quantization is None:
             return
+        self.unquantized_nbytes = weights_nbytes(model) + self._packed_head_extra(model)
+        quantize_model(model, self.quantization, self.dtype)
+
+    def _packed_head_extra(self, model) -> int:
+        """Bytes a CPU float32 run's prepacked head would add unquantized: a copy when the head is
+        tied to the input embedding, and the zero bias packing adds where it had none."""
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         # (a tensor-parallel rank other than 0 has no head: rank 0 computes the logits)
-        extra = 0
-        if packs_head(head, self.device, self.dtype):  # packing adds a zero bias
-            tied = embedding is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
-            extra = (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
-        self.unquantized_nbytes = weights_nbytes(model) + extra
-        quantize_model(model, self.quantization, self.dtype)
+        if not packs_head(head, self.device, self.dtype):
+            return 0
+        tied = embedding is not None and (head.weight is embedding.weight or (
+            not head.weight.is_meta and head.weight.data_ptr() == embedding.weight.data_ptr()))
+        return (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
 
     def release_cached_memory(self) -> None:
         """Gives the blocks torch's CUDA allocator caches back to the card (after an out-of-memory

@@ -54,24 +54,28 @@ def plan_prompt_logprobs(chunks: list[ScheduledChunk]) -> PromptLogprobPlan | No
     return PromptLogprobPlan(keep, sampling, collect)
 
 
+LOGITS_BYTES = 256 * 2**20
+"""The logits rows collecting prompt logprobs keep in one pass stay under this size (float32): the
+scheduler's collect_tokens, which the engine sets from the vocabulary."""
+
+
+def collect_tokens(vocab_size: int) -> int:
+    """Prompt tokens whose logits fit LOGITS_BYTES."""
+    return max(1, LOGITS_BYTES // (4 * vocab_size))
+
+
 def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> None:
     """Appends each collecting row's entries, {token id: logprob} for the prompt token (first)
-    and its top-N alternatives, from the pass's kept logits (one host transfer)."""
-    rows = torch.cat([torch.arange(start, start + n) for _, start, n in plan.collect]).to(logits.device)
-    lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-    targets = [t for seq, _, n in plan.collect
-               for t in seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]]
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-    top_n = max(seq.params.prompt_logprobs for seq, _, _ in plan.collect)
-    top = lp.topk(top_n) if top_n else None
-    values = top.values.tolist() if top is not None else None
-    ids = top.indices.tolist() if top is not None else None
-    k = 0
-    for seq, _, n in plan.collect:
+    and its top-N alternatives, from the pass's kept logits (one host transfer per row)."""
+    for seq, start, n in plan.collect:
+        lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result
+        targets = seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
         want = seq.params.prompt_logprobs
-        for _ in range(n):
-            entry = {targets[k]: chosen[k]}
+        top = lp.topk(want) if want else None
+        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        for k, target in enumerate(targets):
+            entry = {target: chosen[k]}
             if want:
-                entry.update(zip(ids[k][:want], values[k][:want]))
+                entry.update(zip(ids[k], values[k]))
             seq.prompt_logprobs.append(entry)
-            k += 1

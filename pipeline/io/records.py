@@ -178,10 +178,16 @@ class RunRecord(Counts):
     @classmethod
     def start(cls, workers: WorkersSpec, run_id: str) -> RunRecord:
         """The record of a run starting now with these workers."""
-        per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
         now = time.time()
-        return cls(run_id=run_id, started=now, last_seen=now, workers=workers.num,
-                   resource="gpu" if workers.gpus else "cpu_core", resource_per_actor=per_actor)
+        run = cls(run_id=run_id, started=now, last_seen=now, workers=workers.num, resource="cpu_core",
+                  resource_per_actor=1)
+        run.set_workers(workers)
+        return run
+
+    def set_workers(self, workers: WorkersSpec) -> None:
+        """The resources of its actors once they are known (batchinfer may pick GPUs after start)."""
+        self.resource = "gpu" if workers.gpus else "cpu_core"
+        self.resource_per_actor = workers.gpus or max(1, (os.cpu_count() or 1) // workers.num)
 
     def start_generating(self) -> None:
         self.generate_started = time.time()

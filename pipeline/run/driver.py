@@ -102,6 +102,7 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()
     chosen = _choose_devices(job, out, record, progress)
+    run.set_workers(job.spec.workers)  # GPU-hours where batchinfer picked GPUs
     tp = job.spec.engine.tensor_parallel_size
     try:
         check_resources(job.spec.workers, progress, gpus_by=f"engine.tensor_parallel_size {tp} on GPUs (engine.device auto)"
@@ -210,7 +211,11 @@ def _choose_devices(job: Job, out: OutputDir, record: dict, progress) -> bool:
     A fresh output records the numerics chosen; a resumed one generated on CPU stays on CPU.
     Returns whether batchinfer chose GPUs."""
     resumed = out.storage.exists(out.storage.path("data"))
-    was = record.get("numerics") or {}
+    was = record.get("numerics")
+    if was is None and resumed:  # written before outputs recorded them: on CPU unless its spec asked for GPUs
+        recorded = (record.get("spec") or {}).get("workers") or {}
+        was = {"device": "cuda" if recorded.get("gpus") else "cpu"}
+    was = was or {}
     choice = resolve_devices(job.spec, keep_cpu=resumed and was.get("device") == "cpu")
     progress(choice.line)
     numerics = job.spec.numerics()

@@ -72,10 +72,11 @@ def test_zero_gives_the_prompt_token_only_and_the_cache_serves_others(model_dir,
     assert later.num_cached_tokens > 0  # the blocks it computed were named for others
 
 
-def test_preempted_rows_and_n_samples_keep_one_entry_per_token(model_dir, hf):
+def test_preempted_rows_capped_passes_and_n_samples_keep_one_entry_per_token(model_dir, hf):
     # a pool of 12 blocks of 4 tokens: three rows growing to 40 tokens each preempt one another
     llm = LLMEngine(EngineConfig(model=str(model_dir), scheduling="continuous", block_size=4, max_batch_tokens=48,
                                  max_num_seqs=3))
+    llm.scheduler.collect_tokens = 5  # passes keep the logits of 5 prompt tokens at most
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, n=2, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(PROMPTS, params)
     assert sum(b.preemptions for b in llm.batch_stats) > 0

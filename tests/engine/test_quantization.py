@@ -135,7 +135,7 @@ def test_fp8_off_cuda_and_unknown_methods_are_one_line_errors():
         LLMEngine(EngineConfig(model="builtin:tiny", device="cpu", quantization="fp8"))
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="quantization must be"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int2")
 
 
 def test_an_fp8_kv_pool_off_cuda_is_a_one_line_error_naming_the_device():

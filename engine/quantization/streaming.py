@@ -1,0 +1,199 @@
+"""Quantize while loading: the model is built with its parameters on the meta device (no memory),
+then its safetensors are read one tensor at a time, and each linear layer is quantized as soon as
+its weight is read. The full-precision model never exists, on the device or on the host: at most
+one layer's weight in its checkpoint dtype (plus its float32 copy while it is rounded) is held
+beside the quantized layers.
+
+The files are read with plain reads into each tensor's own buffer, not memory-mapped: a mapped
+file's pages count in the process's resident memory until the kernel evicts them, so a mapped
+checkpoint would be resident as a whole by the end of the load.
+
+A checkpoint whose tensor names are not the model's own (a layout transformers converts while it
+loads: fused or renamed projections, MoE experts stacked at load) is loaded the usual way, whole,
+and quantized after; the engine says so once.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MAPPED_BYTES = 1 << 20
+"""A tensor of at least this size is read into anonymous memory of its own, not the heap: freed
+once quantized, its pages go back at once. In the heap, the holes the float weights leave behind
+are not always reused by the next layer's, and the resident memory grows by several layers'
+worth over a load (measured: 8-11 MiB per layer of builtin:llama-42m for 3 MiB of int8 weights)."""
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint's safetensors files, each read on demand with plain reads."""
+
+    def __init__(self, model_dir: Path):
+        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        """Tensor name -> (file, header entry, offset of the file's data)."""
+        paths = sorted(Path(model_dir).glob("*.safetensors"))
+        if not paths:
+            raise FileNotFoundError(f"no safetensors files in {model_dir}")
+        for path in paths:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    self.entries[name] = (path, entry, 8 + size)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name][1]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name`, read into a new CPU buffer of its own."""
+        path, entry, base = self.entries[name]
+        start, end = entry["data_offsets"]
+        dtype = DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{name}: safetensors dtype {entry['dtype']} is not supported")
+        size = end - start
+        if size >= MAPPED_BYTES:  # its own pages: given back to the system the moment it is freed
+            buffer = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            if f.readinto(memoryview(buffer.numpy())) != size:
+                raise ValueError(f"{name}: {path.name} ends before the tensor does")
+        return buffer.view(dtype).reshape(entry["shape"]) if end > start else torch.empty(entry["shape"], dtype=dtype)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory); buffers stay
+    real, so those computed at construction (rotary frequencies) are right."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_on_meta(cls, hf_config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool):
+    """The model class `cls` from its config, its parameters on the meta device."""
+    with parameters_on_meta():
+        return cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
+                               trust_remote_code=trust_remote_code)
+
+
+def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool) -> bool:
+    """Whether every parameter of the model is a tensor of the checkpoint under its own name."""
+    head = model.get_output_embeddings()
+    head_weight = None if head is None else head.weight
+    return all(name in files or (tied and param is head_weight) for name, param in model.named_parameters())
+
+
+def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.device, dtype: torch.dtype,
+                   method: str, tied: bool) -> int:
+    """Fills the meta model from `files`: every linear layer engine.quantization.methods.quantizer
+    picks is replaced by its quantized module as its weight is read (a tied head from the input
+    embedding's tensor); every other parameter is read into `device`, floating ones in `dtype`.
+    Returns how many layers were quantized."""
+    from transformers.pytorch_utils import Conv1D
+
+    from engine.quantization.methods import quantizer
+
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    embedding_name = next((n for n, p in model.named_parameters() if embedding is not None and p is embedding.weight),
+                          None)
+    count = 0
+    with torch.no_grad():
+        for parent_name, parent in list(model.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if not isinstance(child, (nn.Linear, Conv1D)):
+                    continue
+                name = f"{parent_name}.{child_name}" if parent_name else child_name
+                make = quantizer(method, child_name, child, head, dtype, device)
+                source = f"{name}.weight"
+                if source not in files and tied and child is head:
+                    source = embedding_name
+                if make is None or source not in files:
+                    continue
+                weight = files.get(source)
+                weight = weight.T if isinstance(child, Conv1D) else weight  # GPT-2 stores (in, out)
+                bias = files.get(f"{name}.bias") if child.bias is not None else None
+                setattr(parent, child_name, make(weight, bias))
+                del weight, bias
+                count += 1
+        head = model.get_output_embeddings()  # (the quantized one, when it was)
+        for module_name, module in list(model.named_modules()):
+            for leaf, param in list(module._parameters.items()):
+                if param is None or not param.is_meta:
+                    continue
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                if name not in files:
+                    if tied and module is head:
+                        continue  # tied below
+                    raise ValueError(f"no tensor {name} in the safetensors files")
+                t = files.get(name)
+                if tuple(t.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: the checkpoint holds {tuple(t.shape)}, the model {tuple(param.shape)}")
+                t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        if tied and head is not None and isinstance(getattr(head, "weight", None), nn.Parameter) and head.weight.is_meta:
+            head.weight = model.get_input_embeddings().weight
+    for buffer_owner in model.modules():  # buffers computed at construction, on the host
+        for leaf, buf in list(buffer_owner._buffers.items()):
+            if buf is not None and buf.device != device and not buf.is_meta:
+                buffer_owner._buffers[leaf] = buf.to(device)
+    return count
+
+
+def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
+                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0):
+    """The model of class `cls`, its linear layers quantized with `method` as they are read;
+    (model, what its weights would hold unquantized in `dtype`), or None where the checkpoint's
+    tensor names are not the model's own (the caller loads it whole)."""
+    try:
+        files = SafetensorsFiles(model_dir)
+    except FileNotFoundError:
+        return None
+    model = build_on_meta(cls, hf_config, dtype, attn_implementation, trust_remote_code)
+    tied = bool(getattr(hf_config.get_text_config(decoder=True), "tie_word_embeddings", False)
+                or getattr(hf_config, "tie_word_embeddings", False))
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if tied and head is not None and embedding is not None and head.weight.shape == embedding.weight.shape:
+        head.weight = embedding.weight  # one tensor, as the loaded model holds it
+    if not names_match(model, files, tied):
+        missing = next(n for n, _ in model.named_parameters() if n not in files)
+        log.info("%s: the checkpoint's tensor names are not the model's (no %s): loading it whole, then quantizing",
+                 model_dir, missing)
+        return None
+    unquantized = extra_bytes(model) + sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+                                           for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())  # as weights_nbytes counts them
+    stream_weights(model, files, device, dtype, method, tied)
+    if (Path(model_dir) / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval(), unquantized
+

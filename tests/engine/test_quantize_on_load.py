@@ -1,0 +1,157 @@
+"""int4 weights (weight-only, groups of 128, torch's packed kernels) and quantizing while loading:
+the int4 layer is its dequantized weights; greedy tokens agree with transformers on the same model
+with its weights dequantized in float32; a model quantized as it is read equals one loaded whole
+and quantized after; and the load's peak memory, in a fresh process, stays within the quantized
+weights + the largest tensor in full precision + 10%."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.models import byte_tokenizer
+from engine.quantization.int4 import GROUP_SIZE, Int4Linear, int4_supported
+from engine.quantization.methods import Int8Linear
+from test_parity import PROMPTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build(out: Path, arch: str = "llama", hidden: int = 128, layers: int = 2, vocab: int = 512,
+          peaked: bool = True) -> Path:
+    """A random model whose linear layers the int4 kernels take (K a multiple of 128). Peaked:
+    the blocks' output projections scaled down and a head mapping each token to a fixed successor,
+    so greedy parity measures int4's error, not rounding between a random model's near-ties."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0, initializer_range=0.05, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if peaked:
+        emb = model.get_input_embeddings().weight
+        successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith(("o_proj", "down_proj")):
+                    module.weight.mul_(0.2)
+            model.get_output_embeddings().weight.copy_(12.0 * emb[torch.argsort(successor)] / emb.norm(dim=1).mean())
+    model.save_pretrained(out, safe_serialization=True)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def test_int4_layer_is_its_dequantized_weights_within_half_a_step():
+    torch.manual_seed(0)
+    w, bias = torch.randn(256, 384), torch.randn(256)
+    layer = Int4Linear.from_weight(w, bias, torch.float32, torch.device("cpu"))
+    deq = layer.dequantized()
+    groups = w.view(256, -1, GROUP_SIZE)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # one rounding step per group
+    err = (deq.view(256, -1, GROUP_SIZE) - groups).abs()
+    assert bool((err <= step[..., None] / 2 + 0.01 * step[..., None] + 1e-2).all())  # bfloat16 scales
+    x = torch.randn(5, 384)
+    ref = x.bfloat16().float() @ deq.T + bias
+    assert torch.allclose(layer(x), ref, rtol=0.02, atol=0.05 * float(ref.abs().mean()))
+    assert layer(x).dtype == torch.float32
+    assert not int4_supported(100, 384, torch.device("cpu")) and not int4_supported(256, 200, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_greedy_tokens_agree_with_transformers_on_the_dequantized_model(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build(tmp_path / arch, arch)
+    q = LLMEngine(EngineConfig(model=str(path), quantization="int4"))
+    layers = {n: m for n, m in q.runner.model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 7 * 2 and q.runner.streamed  # every projection; the head stays float32
+    assert type(q.runner.model.get_output_embeddings()).__name__ != "Int4Linear"
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the reference: transformers on the same model, its weights dequantized
+        for name, layer in layers.items():
+            ref.get_submodule(name).weight.copy_(layer.dequantized())
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    outs = q.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    agree = 0
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([q.tokenizer.encode(prompt)])
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, ids.shape[1]:].tolist()
+        agree += out.token_ids == want
+    assert agree >= 0.95 * len(prompts), f"{arch}: {agree} of {len(prompts)} greedy rows agree"
+
+
+@pytest.mark.parametrize("method,arch", [("int8", "llama"), ("int4", "llama"), ("int8", "gpt2")])
+def test_quantized_as_read_equals_loaded_whole_then_quantized(method, arch, tmp_path, monkeypatch, tiny_model_dir):
+    import engine.runner.model_runner as model_runner
+
+    path = build(tmp_path / "m") if arch == "llama" else tiny_model_dir(arch)
+    streamed = LLMEngine(EngineConfig(model=str(path), quantization=method))
+    monkeypatch.setattr(model_runner, "load_model_quantized", lambda *args, **kwargs: None)
+    whole = LLMEngine(EngineConfig(model=str(path), quantization=method))
+    assert streamed.runner.streamed and not whole.runner.streamed
+    a, b = streamed.runner.model.state_dict(), whole.runner.model.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        if not a[name].is_mkldnn:
+            assert torch.equal(a[name], b[name]), name
+    assert streamed.memory["unquantized_weights_bytes"] == whole.memory["unquantized_weights_bytes"]
+    assert streamed.memory["weights_bytes"] == whole.memory["weights_bytes"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in streamed.generate(PROMPTS, params)] == [o.token_ids for o in whole.generate(PROMPTS, params)]
+    kind = Int8Linear if method == "int8" else Int4Linear
+    assert any(isinstance(m, kind) for m in streamed.runner.model.modules())
+
+
+PEAK_CHILD = textwrap.dedent("""
+    import json, sys
+    import torch, transformers, transformers.modeling_utils
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.runner.model_runner import ModelRunner
+    from engine.quantization.streaming import SafetensorsFiles
+    def status():
+        f = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+        return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+    config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2], device="cpu")
+    # a load of a tiny model of the same family first: the imports a load makes (~200 MiB of
+    # modules), the kernels' first calls; it leaves a few hundred KiB for the next load to reuse
+    warm = LLMEngine(EngineConfig(model=sys.argv[3], quantization=sys.argv[2], device="cpu", max_batch_tokens=64))
+    warm.generate([[1, 5, 6]], SamplingParams(max_tokens=2))
+    del warm
+    before = status()["VmRSS"]
+    runner = ModelRunner(config)
+    files = SafetensorsFiles(runner.model_dir)
+    largest = max(4 * torch.Size(files.shape(n)).numel() for n in files.entries)
+    print("PEAK " + json.dumps({"added": status()["VmHWM"] - before, "weights": runner.weights_nbytes,
+                                "largest": largest, "streamed": runner.streamed}))
+""")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method, tmp_path):
+    """In a fresh process, a tiny model's load first (imports, kernels' first calls); then the
+    model's load, its VmHWM rise against the bound."""
+    path = build(tmp_path / "m", hidden=256, layers=4, vocab=8192, peaked=False)
+    warm = build(tmp_path / "warm", peaked=False)
+    proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path), method, str(warm)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("PEAK ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    r = json.loads(line[5:])
+    assert r["streamed"]
+    bound = 1.1 * (r["weights"] + r["largest"])
+    assert r["added"] <= bound, f"{method}: the load added {r['added'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
+
+
+def test_the_cpu_packing_of_row_blocks_is_the_whole_layers():
+    from engine.quantization.int4 import _pack_cpu
+
+    q = torch.randint(0, 16, (4096, 512), dtype=torch.uint8)  # packed 512 rows at a time
+    assert torch.equal(_pack_cpu(q), torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))

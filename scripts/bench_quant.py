@@ -52,8 +52,8 @@ def ct2_rate(model: str, prompts, max_tokens: int, threads: int) -> float | None
     spec.loader.exec_module(ct2)
     if ct2.available() is not None:
         return None
-    from engine.models.files import resolve_model_dir
     from engine import EngineConfig
+    from engine.models import resolve_model_dir
 
     model_dir = resolve_model_dir(EngineConfig(model=model))
     out = ct2.convert(model_dir, Path.home() / ".cache" / "batchinfer" / "ct2" / model_dir.name)
@@ -64,32 +64,15 @@ def ct2_rate(model: str, prompts, max_tokens: int, threads: int) -> float | None
 
 def rss_child(model: str, quantization: str | None) -> None:
     """In a fresh process: imports, then the engine, a few tokens; the memory figures as JSON."""
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
-
     import transformers.modeling_utils  # noqa: F401  (the model code any load imports: scipy, triton, ...)
 
-    import engine.runner.loader as loader
-    import engine.runner.model_runner as model_runner
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.models.files import resolve_model_dir
-    from engine.quantization.streaming import SafetensorsFiles
-    from engine.runner import attention
+    from engine.models import resolve_model_dir
+    from engine.quantization import SafetensorsFiles
 
-    attention.register()  # transformers' attention interface: imports ~1,700 modules, ~200 MiB on every side
     base = status()["VmRSS"]
-    load = {}
-
-    def watched(f):
-        def call(*args, **kwargs):
-            load["before"] = status()["VmRSS"]
-            out = f(*args, **kwargs)
-            load["peak"] = status()["VmHWM"]
-            return out
-        return call
-
-    for name in ("load_model", "load_model_quantized"):
-        setattr(model_runner, name, watched(getattr(loader, name)))
     llm = LLMEngine(EngineConfig(model=model, quantization=quantization, max_batch_tokens=1024))
     llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     now = status()
@@ -97,8 +80,8 @@ def rss_child(model: str, quantization: str | None) -> None:
     largest = max(4 * torch.Size(files.shape(n)).numel() for n in files.entries)  # float32, as the engine loads it
     print(json.dumps({"added_peak": now["VmHWM"] - base, "added": now["VmRSS"] - base,
                       "weights": llm.runner.weights_nbytes, "kv_pool": llm.memory["kv_bytes"],
-                      "load_added_peak": load["peak"] - load["before"], "largest_tensor": largest,
-                      "streamed": getattr(llm.runner, "streamed", None)}))
+                      "load_added_peak": llm.memory["load_peak_bytes"], "largest_tensor": largest,
+                      "streamed": llm.runner.streamed}))
 
 
 def resident_memory(model: str) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quantization.rounding import row_chunks
+
 GROUP_SIZE = 128
 """Input columns that share one scale and zero point (vLLM's and GPTQ's usual group)."""
 CUDA_INNER_K_TILES = 8
@@ -36,8 +38,6 @@ def int4_supported(out_features: int, in_features: int, device: torch.device, gr
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per-group rounding of `weight` (N, K) -> (q (N, K) uint8 in [0, 15], scale and
     zero (N, K / group) float32, in torch's convention w = (q - 8) * scale + zero)."""
-    from engine.quantization.methods import row_chunks
-
     n, k = weight.shape
     w = weight.detach().reshape(n, k // group_size, group_size)
     low, high = w.amin(dim=-1).float(), w.amax(dim=-1).float()

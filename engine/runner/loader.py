@@ -57,7 +57,7 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
     as it loads (the engine requantizes it)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    kwargs = {**config.extra, "attn_implementation": _prepare_load(config, model_dir)}
+    kwargs = {**config.extra, "attn_implementation": prepare_load(config, model_dir)}
     if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
         try:
             from transformers.utils.quantization_config import CompressedTensorsConfig
@@ -81,7 +81,7 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
     return model.to(device).eval()
 
 
-def _prepare_load(config: EngineConfig, model_dir: Path) -> str:
+def prepare_load(config: EngineConfig, model_dir: Path) -> str:
     """Checks the weights' files and the architecture; returns the attention implementation."""
     from engine.runner import attention
 
@@ -111,7 +111,7 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
 
     from engine.quantization.streaming import load_quantized
 
-    attn = _prepare_load(config, model_dir)
+    attn = prepare_load(config, model_dir)
     if set(config.extra) - {"attn_implementation"}:
         return None
     cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]

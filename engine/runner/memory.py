@@ -64,6 +64,40 @@ def used_before_load(device: torch.device) -> tuple[int, int]:
     return total - free - torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
 
 
+class LoadPeak:
+    """The memory a model's load adds at its peak: on CUDA, the allocator's peak over what it held
+    before; elsewhere, the process's resident high-water mark (VmHWM) over its resident memory
+    before (0 where /proc is not there). A context manager; `bytes` once it exits."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = device, 0
+
+    def __enter__(self) -> "LoadPeak":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        else:
+            self._before = _proc_status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._before
+        elif self._before is not None:
+            self.bytes = max(0, (_proc_status("VmHWM") or 0) - self._before)
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @torch.inference_mode()
 def profile_pool_blocks(llm) -> int:
     """Blocks of the pool on this CUDA device for `llm` (an LLMEngine being built)."""
@@ -131,7 +165,8 @@ def memory_report(runner, config, cache, pool) -> dict:
     if cache is None:
         return {"kv_blocks": 0, "block_size": 0, "kv_tokens": 0, "kv_bytes": 0,
                 "weights_bytes": runner.weights_nbytes, "unquantized_weights_bytes": runner.weights_nbytes,
-                "quantization": None, "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": 1}
+                "quantization": None, "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": 1,
+                "load_peak_bytes": getattr(runner, "load_peak_bytes", 0)}
     block_size = pool.block_size
     tokens = pool.num_blocks * block_size
     per_token = (cache.nbytes() // (cache.physical_blocks * block_size) if cache.allocated
@@ -140,4 +175,4 @@ def memory_report(runner, config, cache, pool) -> dict:
             "kv_bytes": per_token * tokens,  # the pool's blocks (not the one spare block graphs pad into)
             "weights_bytes": runner.weights_nbytes, "unquantized_weights_bytes": runner.unquantized_nbytes,
             "quantization": runner.quantization, "kv_cache_dtype": config.kv_cache_dtype,
-            "tensor_parallel_size": config.tensor_parallel_size}
+            "tensor_parallel_size": config.tensor_parallel_size, "load_peak_bytes": runner.load_peak_bytes}

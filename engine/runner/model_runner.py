@@ -21,8 +21,8 @@ from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
-                                  packs_head)
-from engine.runner.memory import used_before_load
+                                  packs_head, prepare_load)
+from engine.runner.memory import LoadPeak, used_before_load
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
 
@@ -66,20 +66,13 @@ class ModelRunner:
             raise ModelLoadError(f"{self.head} decoder models (no LM head) run with tensor_parallel_size 1")
         self.shard: tuple | None = None
         """(tp styles, fused sections, rank, n) under tensor parallelism (how LoRA shards adapters)."""
-        if self.tensor_parallel_size == 1:
-            loaded = None
-            if self.quantization is not None and checkpoint is None:
-                loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
-                                              self.head, self._packed_head_extra)
-            self.streamed = loaded is not None
-            """Whether the weights were quantized layer by layer as they were read."""
-            if loaded is not None:
-                self.model, self.unquantized_nbytes = loaded
-            else:
-                self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
-                self._quantize(self.model)
-        else:
-            self.model = self._load_shard(config, hf_config, checkpoint)
+        prepare_load(config, self.model_dir)  # its imports (~200 MiB of modules) before the peak is taken
+        peak = LoadPeak(self.device)
+        with peak:
+            self._load_weights(config, hf_config, checkpoint)
+        self.load_peak_bytes = peak.bytes
+        """What loading the weights added at its peak (engine.runner.memory.LoadPeak): on CPU the
+        resident high-water mark over the memory before, on CUDA the allocator's peak."""
         text_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = text_config.num_hidden_layers
         head = self.model.get_output_embeddings() if self.head == "causal" else None
@@ -144,6 +137,24 @@ class ModelRunner:
                     raise error from exc
             raise
         return model
+
+    def _load_weights(self, config: EngineConfig, hf_config, checkpoint: str | None) -> None:
+        """self.model: quantized layer by layer as it is read where it can be, else loaded whole
+        (then quantized), or this rank's shard under tensor parallelism."""
+        self.streamed = False
+        """Whether the weights were quantized layer by layer as they were read."""
+        if self.tensor_parallel_size > 1:
+            self.model = self._load_shard(config, hf_config, checkpoint)
+            return
+        loaded = None
+        if self.quantization is not None and checkpoint is None:
+            loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
+                                          self.head, self._packed_head_extra)
+        if loaded is not None:
+            (self.model, self.unquantized_nbytes), self.streamed = loaded, True
+        else:
+            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
+            self._quantize(self.model)
 
     def close(self) -> None:
         """Stops the other ranks (tensor_parallel_size > 1); idempotent."""

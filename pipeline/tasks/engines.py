@@ -70,13 +70,14 @@ def share_cpu_threads(num_workers: int) -> None:
 
 
 ENGINE_FACTS = ("device", "dtype", "quantization", "tensor_parallel_size", "weights_bytes", "kv_blocks", "block_size",
-                "kv_bytes", "kv_cache_dtype", "max_num_batched_tokens")
+                "kv_bytes", "kv_cache_dtype", "max_num_batched_tokens", "load_peak_bytes")
 """What a part's record says about the engine that generated it (the manifest's `engines`)."""
 
 
 def engine_facts(engine) -> dict | None:
     """The resolved device, dtype and quantization of `engine`, its weights' bytes, its KV pool's
-    blocks and bytes and its max_num_batched_tokens (None for an engine without them: echo)."""
+    blocks and bytes, its max_num_batched_tokens and what loading its weights added at the peak
+    (None for an engine without them: echo)."""
     runner = getattr(engine, "runner", None)
     if runner is None or not hasattr(engine, "memory"):
         return None

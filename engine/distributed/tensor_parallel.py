@@ -72,8 +72,9 @@ def check_shardable(hf_config, n: int, checkpoint_quantization: str | None) -> d
     styles = linear_styles(hf_config, n)
     check_divisible(hf_config, n)
     if checkpoint_quantization:
-        raise ModelLoadError(f"tensor_parallel_size {n} cannot load a {checkpoint_quantization} checkpoint (it is "
-                             "dequantized whole at load); use its unquantized weights with quantization: int8")
+        raise ModelLoadError(f"tensor_parallel_size {n} cannot load a {checkpoint_quantization} checkpoint yet (its "
+                             "packed weights are not sliced across ranks); run it with tensor_parallel_size 1, or "
+                             "the unquantized weights with quantization: int8 or int4")
     return styles
 
 

@@ -95,22 +95,29 @@ def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
     """(the checkpoint's quantization method as named in its config, the engine method its
     weights load into), from config.json's quantization_config; (None, None) for a plain one.
     compressed-tensors int8 (W8A8) and fp8 checkpoints are dequantized at load and requantized
-    per channel: int8 values and per-channel scales come back exactly."""
+    per channel: int8 values and per-channel scales come back exactly. 4-bit GPTQ, AWQ and
+    compressed-tensors pack-quantized checkpoints load into int4 as stored
+    (engine.quantization.checkpoints). Anything else is a one-line ValueError naming it."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None, None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     name = qc.get("quant_method", "unknown")
-    if name != "compressed-tensors":
-        return name, None
-    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-    kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
-    if kinds == {("int", 8)}:
-        return "compressed-tensors int8", "int8"
-    if kinds == {("float", 8)}:
-        return "compressed-tensors fp8", "fp8"
-    shown = ", ".join(f"{t}{b}" for t, b in sorted(kinds, key=str)) or "no weight scheme"
-    raise ValueError(f"compressed-tensors checkpoint with {shown} weights is not supported (int8 and fp8 are)")
+    if name == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+        if kinds == {("int", 8)}:
+            return "compressed-tensors int8", "int8"
+        if kinds == {("float", 8)}:
+            return "compressed-tensors fp8", "fp8"
+        if kinds != {("int", 4)}:
+            shown = ", ".join(f"{t}{b}" for t, b in sorted(kinds, key=str)) or "no weight scheme"
+            raise ValueError(f"compressed-tensors checkpoint with {shown} weights is not supported "
+                             "(int8, fp8 and pack-quantized int4 are)")
+    from engine.quantization.checkpoints import packed_format
+
+    fmt = packed_format(qc)  # a one-line ValueError for what cannot run
+    return ("compressed-tensors int4" if fmt.name == "compressed-tensors" else fmt.name), "int4"
 
 
 def resolve_method(configured: str | None, checkpoint: str | None, loads_as: str | None,

@@ -103,19 +103,23 @@ def build_on_meta(cls, hf_config, dtype: torch.dtype, attn_implementation: str, 
                                trust_remote_code=trust_remote_code)
 
 
-def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool) -> bool:
-    """Whether every parameter of the model is a tensor of the checkpoint under its own name."""
+def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool, packed=None) -> bool:
+    """Whether every parameter of the model is a tensor of the checkpoint under its own name (a
+    linear layer a 4-bit checkpoint format `packed` holds, by that format's tensors)."""
     head = model.get_output_embeddings()
     head_weight = None if head is None else head.weight
-    return all(name in files or (tied and param is head_weight) for name, param in model.named_parameters())
+    return all(name in files or (tied and param is head_weight)
+               or (packed is not None and packed.owns(files, name.rsplit(".", 1)[0]))
+               for name, param in model.named_parameters())
 
 
 def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.device, dtype: torch.dtype,
-                   method: str, tied: bool) -> int:
+                   method: str, tied: bool, packed=None) -> int:
     """Fills the meta model from `files`: every linear layer engine.quantization.methods.quantizer
     picks is replaced by its quantized module as its weight is read (a tied head from the input
     embedding's tensor); every other parameter is read into `device`, floating ones in `dtype`.
-    Returns how many layers were quantized."""
+    With a 4-bit checkpoint format `packed` (engine.quantization.checkpoints), the layers it holds
+    are repacked from its tensors instead. Returns how many layers were quantized."""
     from transformers.pytorch_utils import Conv1D
 
     from engine.quantization.methods import quantizer
@@ -131,6 +135,10 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
                 if not isinstance(child, (nn.Linear, Conv1D)):
                     continue
                 name = f"{parent_name}.{child_name}" if parent_name else child_name
+                if packed is not None and packed.owns(files, name):
+                    setattr(parent, child_name, _repacked(packed, files, name, child, dtype, device))
+                    count += 1
+                    continue
                 make = quantizer(method, child_name, child, head, dtype, device)
                 source = f"{name}.weight"
                 if source not in files and tied and child is head:
@@ -167,8 +175,29 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
     return count
 
 
+def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtype: torch.dtype,
+              device: torch.device) -> nn.Module:
+    """Linear layer `name` of a 4-bit checkpoint, in the int4 kernels' layout; a shape the kernels
+    do not take becomes this one layer's weight in `dtype`."""
+    from engine.quantization.int4 import Int4Linear, int4_supported
+
+    n, k = child.out_features, child.in_features
+    q, scale, zero = packed.read(files, name, n, k)
+    bias = files.get(f"{name}.bias") if f"{name}.bias" in files else None
+    if int4_supported(n, k, device, packed.group_size):
+        return Int4Linear(q, scale, zero, bias, dtype, device, packed.group_size)
+    g = packed.group_size
+    weight = ((q.float() - 8).view(n, k // g, g) * scale[..., None] + zero[..., None]).view(n, k)
+    layer = nn.Linear(k, n, bias=bias is not None, device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
 def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
-                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0):
+                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0, packed=None):
     """The model of class `cls`, its linear layers quantized with `method` as they are read;
     (model, what its weights would hold unquantized in `dtype`), or None where the checkpoint's
     tensor names are not the model's own (the caller loads it whole)."""
@@ -182,15 +211,19 @@ def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dt
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if tied and head is not None and embedding is not None and head.weight.shape == embedding.weight.shape:
         head.weight = embedding.weight  # one tensor, as the loaded model holds it
-    if not names_match(model, files, tied):
+    if packed is not None and not any(packed.owns(files, n) for n, _ in model.named_modules()):
+        raise ValueError(f"the config says {packed.name}, but no layer holds its tensors (no *.{packed.tensors[0]})")
+    if not names_match(model, files, tied, packed):
         missing = next(n for n, _ in model.named_parameters() if n not in files)
+        if packed is not None:
+            raise ValueError(f"no tensor {missing} in the {packed.name} checkpoint")
         log.info("%s: the checkpoint's tensor names are not the model's (no %s): loading it whole, then quantizing",
                  model_dir, missing)
         return None
     unquantized = extra_bytes(model) + sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
                                            for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())  # as weights_nbytes counts them
-    stream_weights(model, files, device, dtype, method, tied)
+    stream_weights(model, files, device, dtype, method, tied, packed)
     if (Path(model_dir) / "generation_config.json").exists():
         from transformers import GenerationConfig
 

@@ -101,23 +101,24 @@ def prepare_load(config: EngineConfig, model_dir: Path) -> str:
 
 
 def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, method: str, head: str = "causal",
-                         extra_bytes=lambda model: 0):
+                         extra_bytes=lambda model: 0, packed=None):
     """The model with its linear layers quantized with `method` as each is read (nothing of it in
     full precision at once): (model, its weights' bytes unquantized), or None where that cannot
     be (the checkpoint's tensors are named otherwise, engine.extra keys for from_pretrained are
     set): load_model, then quantize. `extra_bytes(model)`: what the unquantized model (its
-    parameters on the meta device) would add beyond its parameters."""
+    parameters on the meta device) would add beyond its parameters. `packed`: the 4-bit format
+    (engine.quantization.checkpoints) of a checkpoint whose layers load as stored."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from engine.quantization.streaming import load_quantized
 
     attn = prepare_load(config, model_dir)
-    if set(config.extra) - {"attn_implementation"}:
+    if set(config.extra) - {"attn_implementation"} and packed is None:
         return None
     cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
     try:
         return load_quantized(cls, read_config(config, model_dir), model_dir, method, dtype, device, attn,
-                              config.trust_remote_code, extra_bytes)
+                              config.trust_remote_code, extra_bytes, packed)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method}: {one_line(exc)}") from exc
 

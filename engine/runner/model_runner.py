@@ -16,6 +16,7 @@ from engine.distributed import tensor_parallel
 from engine.distributed.ranks import RankGroup, join_as_rank, rank_device
 from engine.lora.model import LoRAModel
 from engine.models.files import load_tokenizer, read_config, resolve_model_dir
+from engine.quantization.checkpoints import checkpoint_config, packed_format
 from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
@@ -146,10 +147,15 @@ class ModelRunner:
         if self.tensor_parallel_size > 1:
             self.model = self._load_shard(config, hf_config, checkpoint)
             return
-        loaded = None
-        if self.quantization is not None and checkpoint is None:
+        loaded, packed = None, None
+        if checkpoint is not None and self.quantization == "int4":  # a 4-bit checkpoint, run as stored
+            packed = packed_format(checkpoint_config(hf_config))
+        if self.quantization is not None and (checkpoint is None or packed is not None):
             loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
-                                          self.head, self._packed_head_extra)
+                                          self.head, self._packed_head_extra, packed)
+            if loaded is None and packed is not None:
+                raise ModelLoadError(f"{self.model_dir}: a {checkpoint} checkpoint loads from safetensors files with "
+                                     "the model's own tensor names")
         if loaded is not None:
             (self.model, self.unquantized_nbytes), self.streamed = loaded, True
         else:

@@ -5,6 +5,9 @@ part index and to the job's totals, and prints progress; it never holds the plan
 """
 from __future__ import annotations
 
+import gc
+import threading
+import traceback
 from typing import TYPE_CHECKING
 
 from pipeline.errors import JobError
@@ -19,6 +22,8 @@ from pipeline.run.worker import ShardWorker
 if TYPE_CHECKING:
     from pipeline.spec import Job
 
+EXECUTOR_JOIN_S = 10.0  # a failed execution's loop ends within seconds of its shutdown
+
 def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord, index: IndexWriter,
             progress) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
@@ -32,7 +37,7 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
         **engine_stage_args(job.spec.workers, actors=run.workers, env=chaos.forwarded_env()))
     totals, earlier = PartTotals(), 0
     progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
-    rows = iter(ds.iter_rows())
+    rows, failure = iter(ds.iter_rows()), None
     try:
         for row in rows:
             record = CommitRecord.from_json(row["record"])
@@ -45,11 +50,42 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
             progress.shard_done(run, record.rows if row["new"] else 0, earlier, nbytes=record.bytes,
                                 new=bool(row["new"]))
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
-        raise JobError(worker_cause(exc)) from exc
+        failure = exc
     finally:
-        # Closing the stream shuts Ray Data's executor down now: after a failure, the engine
-        # actors must not live on for as long as the caller keeps the exception (Airflow, tests).
         getattr(rows, "close", lambda: None)()
         progress.close()
+    if failure is not None:
+        _release(failure)
+        del ds, rows
+        gc.collect()
+        raise JobError(worker_cause(failure)) from failure
     index.flush()
     return totals
+
+
+def _release(failure: BaseException) -> None:
+    """After a failed stream: let Ray Data's executor thread finish shutting down, then clear the
+    frames the failure's chain of exceptions holds, and the finished frames that called them: Ray
+    Data's, holding its executor and through it the engine actors' handles. Collected, the actors
+    go now, not whenever the caller (Airflow, a test, a retry loop) lets the exception go."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("StreamingExecutor-") and getattr(thread, "_shutdown", False):
+            thread.join(timeout=EXECUTOR_JOIN_S)
+    seen: set[int] = set()
+    chain: list = [failure]
+    while chain:
+        exc = chain.pop()
+        if not isinstance(exc, BaseException) or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            while frame is not None:
+                try:
+                    frame.clear()
+                except RuntimeError:  # still running: this thread's callers
+                    pass
+                frame = frame.f_back
+            tb = tb.tb_next
+        chain += [exc.__cause__, exc.__context__, getattr(exc, "cause", None)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +51,17 @@ def spec_for(task: str, model: Path, inp: Path, out: Path) -> dict:
     return spec
 
 
+def cpus_free_within(seconds: float) -> bool:
+    import ray
+
+    deadline = time.time() + seconds
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"]:
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 @pytest.mark.parametrize("task", [pytest.param("embed", marks=pytest.mark.slow), "classify",
                                   pytest.param("score", marks=pytest.mark.slow)])
 def test_a_pooling_job_resumes_after_a_crash_with_every_row_once(tmp_path, models, monkeypatch, task):
@@ -59,8 +71,10 @@ def test_a_pooling_job_resumes_after_a_crash_with_every_row_once(tmp_path, model
     job = Job.of(validate(spec))
     for key, value in hook_env(f"shard#2:raise:{tmp_path / 'fired'}").items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(JobError, match="a worker failed"):
+    with pytest.raises(JobError, match="a worker failed") as failed:
         run_job(job, progress=lambda msg: None)
+    # the failed job's engine actor is gone while its caller still holds the error
+    assert failed.value.__cause__ is not None and cpus_free_within(30.0)
     result = run_job(job, progress=lambda msg: None)
     assert result.status == "complete" and result.rows == 10 and 0 < result.rows_this_run < 10
     out = read_output(tmp_path / "out")

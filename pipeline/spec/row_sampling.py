@@ -20,6 +20,10 @@ def row_sampling(value, job_sampling: SamplingSpec) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{SAMPLING_PARAMS} must be a mapping of sampling fields, got {type(value).__name__}")
     given = {k: v for k, v in value.items() if v is not None}
+    if "prompt_logprobs" in given and job_sampling.prompt_logprobs is None:
+        # the output's columns are the job's: a row may change the number, not add the column
+        raise ValueError(f"{SAMPLING_PARAMS}.prompt_logprobs: the job's sampling sets no prompt_logprobs, so its "
+                         "output has no prompt_logprobs column; set sampling.prompt_logprobs for the job")
     so = given.get("structured_outputs")
     if isinstance(so, dict) and isinstance(so.get("json"), str):
         raise ValueError(f"{SAMPLING_PARAMS}.structured_outputs.json: a row gives the schema itself, not a file")

@@ -49,14 +49,24 @@ def test_a_rows_sampling_column_overrides_the_section_for_that_row(tiny):
     rows = [{"prompt": "a", "params": None}, {"prompt": "a", "params": {"max_tokens": 3}},
             {"prompt": "a", "params": {"max_tokens": 4, "temperature": None, "stop": ["zz"]}},
             {"prompt": "a", "params": {"temperature": -1}}, {"prompt": "a", "params": {"min_tokens": 9}},
-            {"prompt": "a", "params": {"top_q": 1}}, {"prompt": "a", "params": "hot"}]
+            {"prompt": "a", "params": {"top_q": 1}}, {"prompt": "a", "params": "hot"},
+            {"prompt": "a", "params": {"prompt_logprobs": 2}}]
     results = TaskRunner(spec, tiny).run(rows, [str(i) for i in range(len(rows))], [None] * len(rows))
     assert [r.num_generated_tokens for r in results[:3]] == [6, 3, 4]
     assert results[1].generated_text == results[0].generated_text[:len(results[1].generated_text)]  # greedy kept
     assert [r.error for r in results[3:]] == [
         "sampling_params: temperature must be >= 0.0, got -1.0", "sampling_params: min_tokens (9) must be <= max_tokens (6)",
-        "sampling_params.top_q: unknown key", "sampling_params must be a mapping of sampling fields, got str"]
+        "sampling_params.top_q: unknown key", "sampling_params must be a mapping of sampling fields, got str",
+        "sampling_params.prompt_logprobs: the job's sampling sets no prompt_logprobs, so its output has no "
+        "prompt_logprobs column; set sampling.prompt_logprobs for the job"]
     assert all(r.finish_reason == "error" for r in results[3:])
+    # where the job has the column, a row may ask for more of each prompt token's alternatives
+    spec = validate({"input": {"path": "in.jsonl", "sampling_column": "params"}, "output": {"path": "out/"},
+                     "sampling": {"max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}})
+    results = TaskRunner(spec, tiny).run([{"prompt": "ab", "params": None}, {"prompt": "ab", "params": {"prompt_logprobs": 2}}],
+                                         ["0", "1"], [None, None])
+    assert [r.error for r in results] == [None, None] and results[0].prompt_logprobs is not None
+    assert results[1].prompt_logprobs[1:] and all(len(p) >= 2 for p in results[1].prompt_logprobs[1:])
     assert validate({**BASE, "input": {"path": "in.jsonl", "sampling_column": None}}).fingerprint() == validate(BASE).fingerprint()
 
 

@@ -42,6 +42,9 @@ def pools(results: list[Measurement]) -> str:
         else:
             lines.append(f"  weights: {held / 2**20:.1f} MiB (no quantization; --set engine.quantization=int8 "
                          "would hold about a quarter of the linear layers' bytes)")
+        if weights.get("load_peak_bytes"):
+            lines.append(f"  loading them added {weights['load_peak_bytes'] / 2**20:.1f} MiB at its peak"
+                         + (" (each layer quantized as it was read)" if q and weights.get("streamed") else ""))
     return "\n".join(lines)
 
 

@@ -13,7 +13,10 @@ largest tensor in full precision + 10%.
 Targets (issue 35): added memory int8 <= 0.7x and int4 <= 0.6x float32's; decode at 8 rows
 int8 >= 1.3x and int4 >= 1.5x float32; int8 >= 1.5x CTranslate2 int8; load peak within the bound.
 
-    .venv/bin/python scripts/bench_quant.py [--threads 2] [--rss-only] [--model DIR]
+The same memory figures, with --checkpoints, for the model written as a GPTQ and a
+compressed-tensors W4A16 checkpoint (the int4 bound) and a W8A8 one (int8's), each loaded as stored.
+
+    .venv/bin/python scripts/bench_quant.py [--threads 2] [--rss-only] [--checkpoints] [--model DIR]
 """
 from __future__ import annotations
 
@@ -84,12 +87,43 @@ def rss_child(model: str, quantization: str | None) -> None:
                       "streamed": llm.runner.streamed}))
 
 
-def resident_memory(model: str) -> None:
+CHECKPOINTS = ("gptq", "compressed-tensors")
+"""4-bit checkpoint formats --checkpoints writes (tests/engine/test_packed_checkpoints.py's writer),
+beside a compressed-tensors W8A8 one (tests/engine/test_quantization.py's)."""
+
+
+def write_checkpoints(model: str) -> dict[str, Path]:
+    """The model written as a GPTQ, a compressed-tensors W4A16 and a W8A8 checkpoint, each once
+    under ~/.cache/batchinfer/bench_quant; name -> directory."""
+    from engine import EngineConfig
+    from engine.models import resolve_model_dir
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+    from test_packed_checkpoints import write
+    from test_quantization import compressed_checkpoint
+
+    src = resolve_model_dir(EngineConfig(model=model))
+    root = Path.home() / ".cache" / "batchinfer" / "bench_quant" / src.name
+    out = {}
+    for fmt in CHECKPOINTS:
+        path = root / fmt
+        if not (path / "config.json").exists():
+            write(fmt, src, path)
+        out[f"{fmt} int4 checkpoint"] = path
+    path = root / "w8a8"
+    if not (path / "config.json").exists():
+        compressed_checkpoint(src, path)
+    out["compressed-tensors int8 checkpoint"] = path
+    return out
+
+
+def resident_memory(model: str, checkpoints: dict[str, Path]) -> None:
     rows = {}
-    for quantization in METHODS:
-        out = subprocess.run([sys.executable, __file__, "--model", model, "--rss-child", quantization or "none"],
+    runs = [(q or "float32", model, q or "none") for q in METHODS] + [(k, str(v), "none") for k, v in checkpoints.items()]
+    for name, path, quantization in runs:
+        out = subprocess.run([sys.executable, __file__, "--model", path, "--rss-child", quantization],
                              capture_output=True, text=True, check=True).stdout
-        rows[quantization or "float32"] = json.loads(out.strip().splitlines()[-1])
+        rows[name] = json.loads(out.strip().splitlines()[-1])
     print("\n| engine | weights MiB (reported) | KV pool MiB | added RSS MiB | added peak MiB | load peak MiB | "
           "load bound MiB | within |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
@@ -99,7 +133,8 @@ def resident_memory(model: str) -> None:
         print(f"| {name} | {r['weights'] / 2**20:.1f} | {r['kv_pool'] / 2**20:.1f} | {r['added'] / 2**20:.1f} | "
               f"{r['added_peak'] / 2**20:.1f} | {r['load_added_peak'] / 2**20:.1f} | {bound / 2**20:.1f} | "
               f"{'yes' if r['load_added_peak'] <= bound else 'NO'} |")
-    for name, target in (("int8", 0.7), ("int4", 0.6)):
+    targets = [("int8", 0.7), ("int4", 0.6)] + [(k, 0.7 if "int8" in k else 0.6) for k in checkpoints]
+    for name, target in targets:
         q = rows[name]
         ratio = q["added_peak"] / f["added_peak"]
         print(f"{name} / float32: weights {q['weights'] / f['weights']:.2f}x, added peak memory {ratio:.2f}x "
@@ -111,6 +146,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="builtin:llama-42m")
     ap.add_argument("--rss-only", action="store_true", help="only the memory table")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="also the memory of the model written as GPTQ, compressed-tensors W4A16 and W8A8 checkpoints")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -134,7 +171,7 @@ def main() -> None:
                   f"{'-' if ct2 is None else f'{ct2:.1f}'} | {got['int8'][0] / f_rate:.2f}x | "
                   f"{got['int4'][0] / f_rate:.2f}x | {vs_ct2} | "
                   f"{same[0]}/{rows}, {same[1]}/{rows} |", flush=True)
-    resident_memory(args.model)
+    resident_memory(args.model, write_checkpoints(args.model) if args.checkpoints else {})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ Each format's layout, as its writers document it (K inputs, N outputs, G the gro
 
 In the kernels' convention w = (q - 8) * scale + zero with q in [0, 15]: zero = scale * (8 - z)
 for GPTQ's and AWQ's z, and 0 for compressed-tensors.
+
+8-bit compressed-tensors checkpoints (ScaledFormat) load as stored too: `int-quantized` W8A8 and
+`float-quantized` FP8 keep each layer's `weight` int8 or float8 e4m3 (N, K) with its symmetric
+`weight_scale`, one per output channel (N, 1) or one for the tensor (1,): w = weight * scale.
+Activations are quantized per token on the fly, whatever the checkpoint's input scheme.
 """
 from __future__ import annotations
 
@@ -74,6 +79,57 @@ class PackedFormat:
             q = _awq_columns(nibbles(get("qweight", (k, n // 8)), dim=1), inverse).T.contiguous()
             z = _awq_columns(nibbles(get("qzeros", (k // g, n // 8)), dim=1), inverse).float()
         return q, scale, (scale * (8 - z.T)).contiguous()
+
+
+@dataclass(frozen=True)
+class ScaledFormat:
+    """An 8-bit compressed-tensors checkpoint: `kind` int8 (W8A8) or fp8."""
+
+    name: str
+    kind: str
+    tensors: tuple[str, ...] = ("weight_scale", "weight")
+
+    def owns(self, files, module: str) -> bool:
+        return f"{module}.weight_scale" in files
+
+    def read(self, files, module: str, out_features: int, in_features: int):
+        """(values (N, K) int8 or float8 e4m3, scale (N,) float32); ValueError naming the tensor
+        when one is missing, misshapen or of another dtype."""
+        get = _getter(files, module)
+        values = get("weight", (out_features, in_features))
+        want = torch.int8 if self.kind == "int8" else torch.float8_e4m3fn
+        if values.dtype != want:
+            raise ValueError(f"{module}.weight: {str(values.dtype).removeprefix('torch.')} values in a "
+                             f"{self.name} checkpoint, expected {str(want).removeprefix('torch.')}")
+        name = f"{module}.weight_scale"
+        scale = files.get(name)
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(out_features)
+        elif tuple(scale.shape) in ((out_features, 1), (out_features,)):
+            scale = scale.reshape(out_features)
+        else:
+            raise ValueError(f"{name}: shape {tuple(scale.shape)}, expected ({out_features}, 1) or (1,): "
+                             "channel or tensor scales")
+        return values, scale.float().contiguous()
+
+
+def stored_format(qc: dict) -> PackedFormat | ScaledFormat:
+    """How a quantized checkpoint's layers load as stored: 4-bit ones repacked (packed_format),
+    8-bit compressed-tensors ones as they are. ValueError in one line for what cannot run."""
+    if qc.get("quant_method") == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+        if kinds in ({("int", 8)}, {("float", 8)}):
+            kind = "int8" if kinds == {("int", 8)} else "fp8"
+            for w in weights:
+                if not w.get("symmetric", True):
+                    raise ValueError(f"compressed-tensors {kind} checkpoint with asymmetric weights (zero points): "
+                                     "only symmetric ones run")
+                if w.get("strategy") not in ("channel", "tensor", None):
+                    raise ValueError(f"compressed-tensors {kind} checkpoint with {w.get('strategy')} weight scales: "
+                                     "only channel and tensor scales run")
+            return ScaledFormat(f"compressed-tensors {kind}", kind)
+    return packed_format(qc)
 
 
 def _awq_columns(values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,18 @@ class Int8Linear(nn.Module):
     weight-only int8 kernel (`_weight_int8pack_mm`) ran 10-20x slower than float32. Elsewhere
     the weights are converted on the fly (weight-only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 scale: torch.Tensor | None = None):
+        """`weight` in float, quantized here; or, with `scale` (N,), int8 values as a checkpoint stores them."""
         super().__init__()
         w = weight.detach()
-        scale = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float().clamp(min=1e-12) / 127.0  # no |w| copy
-        qweight = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-        for rows in row_chunks(w):  # a float32 temporary of 1 MiB, never one of the whole matrix
-            qweight[rows] = w[rows].float().div(scale[rows, None]).round_().clamp_(-127, 127)
+        if scale is not None:
+            qweight, scale = w.to(torch.int8).contiguous(), scale.detach().float()
+        else:
+            scale = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float().clamp(min=1e-12) / 127.0  # no |w| copy
+            qweight = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            for rows in row_chunks(w):  # a float32 temporary of 1 MiB, never one of the whole matrix
+                qweight[rows] = w[rows].float().div(scale[rows, None]).round_().clamp_(-127, 127)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
@@ -68,15 +73,21 @@ class Int8Linear(nn.Module):
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W in float8 e4m3 and per-channel scales; x gets per-token scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 scale: torch.Tensor | None = None):
+        """`weight` in float, quantized here; or, with `scale` (N,), float8 values as a checkpoint stores them."""
         super().__init__()
-        w = weight.detach().float().contiguous()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        self.register_buffer("qweight", (w / scale[:, None]).to(torch.float8_e4m3fn))
+        if scale is not None:
+            self.register_buffer("qweight", weight.detach().to(torch.float8_e4m3fn).contiguous())
+            scale = scale.detach().float()
+        else:
+            w = weight.detach().float().contiguous()
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+            self.register_buffer("qweight", (w / scale[:, None]).to(torch.float8_e4m3fn))
         self.register_buffer("scale", scale[None, :].contiguous())  # (1, N) float32
         # the product comes out in bfloat16 (see forward), and a bias is added in the product's dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
-        self.out_features = w.shape[0]
+        self.out_features = self.qweight.shape[0]
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,10 +105,10 @@ class Fp8Linear(nn.Module):
 def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
     """(the checkpoint's quantization method as named in its config, the engine method its
     weights load into), from config.json's quantization_config; (None, None) for a plain one.
-    compressed-tensors int8 (W8A8) and fp8 checkpoints are dequantized at load and requantized
-    per channel: int8 values and per-channel scales come back exactly. 4-bit GPTQ, AWQ and
-    compressed-tensors pack-quantized checkpoints load into int4 as stored
-    (engine.quantization.checkpoints). Anything else is a one-line ValueError naming it."""
+    compressed-tensors int8 (W8A8) and fp8 checkpoints load their values and scales as stored into
+    the int8 and fp8 kernels; 4-bit GPTQ, AWQ and compressed-tensors pack-quantized ones are
+    repacked into int4 (engine.quantization.checkpoints). Anything else is a one-line ValueError
+    naming it."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None, None
@@ -106,10 +117,11 @@ def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
     if name == "compressed-tensors":
         weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
         kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
-        if kinds == {("int", 8)}:
-            return "compressed-tensors int8", "int8"
-        if kinds == {("float", 8)}:
-            return "compressed-tensors fp8", "fp8"
+        if kinds in ({("int", 8)}, {("float", 8)}):
+            from engine.quantization.checkpoints import stored_format
+
+            fmt = stored_format(qc)  # a one-line ValueError for a scheme that cannot run
+            return fmt.name, fmt.kind
         if kinds != {("int", 4)}:
             shown = ", ".join(f"{t}{b}" for t, b in sorted(kinds, key=str)) or "no weight scheme"
             raise ValueError(f"compressed-tensors checkpoint with {shown} weights is not supported "

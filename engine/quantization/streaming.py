@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.quantization.checkpoints import PackedFormat
+
 log = logging.getLogger(__name__)
 
 MAPPED_BYTES = 1 << 20
@@ -105,7 +107,7 @@ def build_on_meta(cls, hf_config, dtype: torch.dtype, attn_implementation: str, 
 
 def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool, packed=None) -> bool:
     """Whether every parameter of the model is a tensor of the checkpoint under its own name (a
-    linear layer a 4-bit checkpoint format `packed` holds, by that format's tensors)."""
+    linear layer a quantized checkpoint's format `packed` holds, by that format's tensors)."""
     head = model.get_output_embeddings()
     head_weight = None if head is None else head.weight
     return all(name in files or (tied and param is head_weight)
@@ -118,8 +120,8 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
     """Fills the meta model from `files`: every linear layer engine.quantization.methods.quantizer
     picks is replaced by its quantized module as its weight is read (a tied head from the input
     embedding's tensor); every other parameter is read into `device`, floating ones in `dtype`.
-    With a 4-bit checkpoint format `packed` (engine.quantization.checkpoints), the layers it holds
-    are repacked from its tensors instead. Returns how many layers were quantized."""
+    With a quantized checkpoint's format `packed` (engine.quantization.checkpoints), the layers it
+    holds load from its tensors instead. Returns how many layers were quantized."""
     from transformers.pytorch_utils import Conv1D
 
     from engine.quantization.methods import quantizer
@@ -136,7 +138,7 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
                     continue
                 name = f"{parent_name}.{child_name}" if parent_name else child_name
                 if packed is not None and packed.owns(files, name):
-                    setattr(parent, child_name, _repacked(packed, files, name, child, dtype, device))
+                    setattr(parent, child_name, _repacked(packed, files, name, child, dtype, device, method))
                     count += 1
                     continue
                 make = quantizer(method, child_name, child, head, dtype, device)
@@ -176,14 +178,21 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
 
 
 def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtype: torch.dtype,
-              device: torch.device) -> nn.Module:
-    """Linear layer `name` of a 4-bit checkpoint, in the int4 kernels' layout; a shape the kernels
-    do not take becomes this one layer's weight in `dtype`."""
+              device: torch.device, method: str) -> nn.Module:
+    """Linear layer `name` of a quantized checkpoint as stored: an 8-bit one's values and scales
+    into the int8 or fp8 kernels (an fp8 one running `method` int8 requantized, this layer alone);
+    a 4-bit one in the int4 kernels' layout, or, a shape they do not take, in `dtype`."""
     from engine.quantization.int4 import Int4Linear, int4_supported
+    from engine.quantization.methods import Fp8Linear, Int8Linear
 
     n, k = child.out_features, child.in_features
-    q, scale, zero = packed.read(files, name, n, k)
     bias = files.get(f"{name}.bias") if f"{name}.bias" in files else None
+    if not isinstance(packed, PackedFormat):  # an 8-bit ScaledFormat
+        values, scale = packed.read(files, name, n, k)
+        if packed.kind == method:
+            return (Int8Linear if method == "int8" else Fp8Linear)(values, bias, dtype, scale=scale).to(device)
+        return Int8Linear(values.float() * scale[:, None], bias, dtype).to(device)
+    q, scale, zero = packed.read(files, name, n, k)
     if int4_supported(n, k, device, packed.group_size):
         return Int4Linear(q, scale, zero, bias, dtype, device, packed.group_size)
     g = packed.group_size
@@ -215,7 +224,7 @@ def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dt
         raise ValueError(f"the config says {packed.name}, but no layer holds its tensors (no *.{packed.tensors[0]})")
     if not names_match(model, files, tied, packed):
         missing = next(n for n, _ in model.named_parameters() if n not in files)
-        if packed is not None:
+        if isinstance(packed, PackedFormat):  # 4-bit layers: nothing else reads them
             raise ValueError(f"no tensor {missing} in the {packed.name} checkpoint")
         log.info("%s: the checkpoint's tensor names are not the model's (no %s): loading it whole, then quantizing",
                  model_dir, missing)

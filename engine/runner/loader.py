@@ -106,14 +106,16 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
     full precision at once): (model, its weights' bytes unquantized), or None where that cannot
     be (the checkpoint's tensors are named otherwise, engine.extra keys for from_pretrained are
     set): load_model, then quantize. `extra_bytes(model)`: what the unquantized model (its
-    parameters on the meta device) would add beyond its parameters. `packed`: the 4-bit format
-    (engine.quantization.checkpoints) of a checkpoint whose layers load as stored."""
+    parameters on the meta device) would add beyond its parameters. `packed`: the format
+    (engine.quantization.checkpoints) of a quantized checkpoint whose layers load as stored."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from engine.quantization.streaming import load_quantized
 
+    from engine.quantization.checkpoints import PackedFormat
+
     attn = prepare_load(config, model_dir)
-    if set(config.extra) - {"attn_implementation"} and packed is None:
+    if set(config.extra) - {"attn_implementation"} and not isinstance(packed, PackedFormat):
         return None
     cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
     try:

@@ -175,4 +175,5 @@ def memory_report(runner, config, cache, pool) -> dict:
             "kv_bytes": per_token * tokens,  # the pool's blocks (not the one spare block graphs pad into)
             "weights_bytes": runner.weights_nbytes, "unquantized_weights_bytes": runner.unquantized_nbytes,
             "quantization": runner.quantization, "kv_cache_dtype": config.kv_cache_dtype,
-            "tensor_parallel_size": config.tensor_parallel_size, "load_peak_bytes": runner.load_peak_bytes}
+            "tensor_parallel_size": config.tensor_parallel_size, "load_peak_bytes": runner.load_peak_bytes,
+            "streamed": getattr(runner, "streamed", False)}

@@ -16,7 +16,7 @@ from engine.distributed import tensor_parallel
 from engine.distributed.ranks import RankGroup, join_as_rank, rank_device
 from engine.lora.model import LoRAModel
 from engine.models.files import load_tokenizer, read_config, resolve_model_dir
-from engine.quantization.checkpoints import checkpoint_config, packed_format
+from engine.quantization.checkpoints import PackedFormat, checkpoint_config, stored_format
 from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
@@ -148,12 +148,12 @@ class ModelRunner:
             self.model = self._load_shard(config, hf_config, checkpoint)
             return
         loaded, packed = None, None
-        if checkpoint is not None and self.quantization == "int4":  # a 4-bit checkpoint, run as stored
-            packed = packed_format(checkpoint_config(hf_config))
-        if self.quantization is not None and (checkpoint is None or packed is not None):
+        if checkpoint is not None:  # a quantized checkpoint, run as stored
+            packed = stored_format(checkpoint_config(hf_config))
+        if self.quantization is not None:
             loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
                                           self.head, self._packed_head_extra, packed)
-            if loaded is None and packed is not None:
+            if loaded is None and isinstance(packed, PackedFormat):  # 4-bit layers: nothing else reads them
                 raise ModelLoadError(f"{self.model_dir}: a {checkpoint} checkpoint loads from safetensors files with "
                                      "the model's own tensor names")
         if loaded is not None:

@@ -145,46 +145,54 @@ def test_an_fp8_kv_pool_off_cuda_is_a_one_line_error_naming_the_device():
     assert "\n" not in str(err.value)
 
 
-def compressed_int8_checkpoint(src, out):
-    """A compressed-tensors W8A8 int8 checkpoint of the model in `src`: int8 weights with one
-    scale per output channel, dynamic per-token int8 activations, the LM head left as it is."""
+def compressed_checkpoint(src, out, kind: str = "int8"):
+    """A compressed-tensors checkpoint of the model in `src`: W8A8 int8 (`int-quantized`) or FP8
+    (`float-quantized`) weights with one scale per output channel, dynamic per-token activations,
+    the LM head left as it is. Returns its tensors."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    top, dtype = (127.0, torch.int8) if kind == "int8" else (448.0, torch.float8_e4m3fn)
     shutil.copytree(src, out)
     state, packed = load_file(out / "model.safetensors"), {}
     for key, value in state.items():
         if key.endswith(".weight") and value.dim() == 2 and "embed" not in key and "lm_head" not in key:
-            scale = value.abs().amax(1, keepdim=True) / 127
-            packed[key] = torch.round(value / scale).clamp(-127, 127).to(torch.int8)
+            scale = value.abs().amax(1, keepdim=True) / top
+            scaled = value / scale
+            packed[key] = (torch.round(scaled).clamp(-127, 127) if kind == "int8" else scaled).to(dtype)
             packed[key[: -len("weight")] + "weight_scale"] = scale
         else:
             packed[key] = value
     save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True}
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True}}}}
+        "quant_method": "compressed-tensors", "format": f"{'int' if kind == 'int8' else 'float'}-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {**scheme, "strategy": "channel", "dynamic": False},
+            "input_activations": {**scheme, "strategy": "token", "dynamic": True}}}}
     (out / "config.json").write_text(json.dumps(config))
     return packed
 
 
-def test_a_compressed_tensors_int8_checkpoint_loads_into_the_int8_kernels(peaked, tmp_path):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked, tmp_path, kind):
     from safetensors.torch import save_file
 
     src = peaked("llama")
-    packed = compressed_int8_checkpoint(src, tmp_path / "w8a8")
-    llm = LLMEngine(EngineConfig(model=str(tmp_path / "w8a8")))
-    assert llm.runner.checkpoint_quantization == "compressed-tensors int8" and llm.runner.quantization == "int8"
+    packed = compressed_checkpoint(src, tmp_path / "w8", kind)
+    llm = LLMEngine(EngineConfig(model=str(tmp_path / "w8")))
+    # on CPU (no fp8 matmuls) an fp8 checkpoint runs int8, each layer requantized as it is read
+    assert llm.runner.checkpoint_quantization == f"compressed-tensors {kind}" and llm.runner.quantization == "int8"
+    assert llm.runner.streamed  # read a layer at a time: never the whole model in full precision
+    name = "model.layers.0.self_attn.q_proj"
     q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, Int8Linear)
-    assert torch.equal(q_proj.qweight, packed["model.layers.0.self_attn.q_proj.weight"])  # the same int8 values
+    if kind == "int8":  # the same int8 values and scales
+        assert torch.equal(q_proj.qweight, packed[f"{name}.weight"])
+        assert torch.equal(q_proj.scale, packed[f"{name}.weight_scale"].reshape(-1).to(q_proj.scale.dtype))
     # the same model with the dequantized weights, run in float32
     dense = tmp_path / "dense"
     dense.mkdir()
@@ -192,7 +200,7 @@ def test_a_compressed_tensors_int8_checkpoint_loads_into_the_int8_kernels(peaked
         (dense / f.name).write_bytes(f.read_bytes())
     weights = {k: v for k, v in packed.items() if not k.endswith("weight_scale")}
     for k in list(weights):
-        if weights[k].dtype == torch.int8:
+        if weights[k].dtype in (torch.int8, torch.float8_e4m3fn):
             weights[k] = weights[k].float() * packed[k[: -len("weight")] + "weight_scale"]
     save_file(weights, dense / "model.safetensors", metadata={"format": "pt"})
     ref = LLMEngine(EngineConfig(model=str(dense)))
@@ -201,9 +209,9 @@ def test_a_compressed_tensors_int8_checkpoint_loads_into_the_int8_kernels(peaked
     assert sum(a.token_ids == b.token_ids for a, b in zip(got, want)) >= 0.9 * len(PROMPTS)
     for a, b in zip(got, want):
         assert abs(next(iter(a.logprobs[0].values())) - next(iter(b.logprobs[0].values()))) < 0.05
-    with pytest.raises(ValueError, match="quantization fp8 asked for, but the checkpoint is quantized with "
-                                         "compressed-tensors int8"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "w8a8"), quantization="fp8"))
+    with pytest.raises(ValueError, match="quantization int4 asked for, but the checkpoint is quantized with "
+                                         f"compressed-tensors {kind}"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "w8"), quantization="int4"))
 
 
 def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one_line(tiny_model_dir, tmp_path):
@@ -228,6 +236,24 @@ def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="compressed-tensors checkpoint with int2 weights is not supported"):
         LLMEngine(EngineConfig(model=str(out)))
+    # 8-bit ones: zero points, group scales, a scale of the wrong shape
+    w8 = tmp_path / "w8"
+    packed = compressed_checkpoint(tiny_model_dir("llama"), w8)
+    ct = json.loads((w8 / "config.json").read_text())
+    for change, said in (({"symmetric": False}, "compressed-tensors int8 checkpoint with asymmetric weights"),
+                         ({"strategy": "group"}, "compressed-tensors int8 checkpoint with group weight scales")):
+        bad = json.loads(json.dumps(ct))
+        bad["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+        (w8 / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ModelLoadError, match=said):
+            LLMEngine(EngineConfig(model=str(w8)))
+    (w8 / "config.json").write_text(json.dumps(ct))
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    save_file({**packed, name: packed[name][:4]}, w8 / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"{name}: shape \(4, 1\), expected \(\d+, 1\) or \(1,\)"):
+        LLMEngine(EngineConfig(model=str(w8)))
     config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as err:

@@ -135,12 +135,18 @@ PEAK_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8"])
 def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method, tmp_path):
     """In a fresh process, a tiny model's load first (imports, kernels' first calls); then the
-    model's load, its VmHWM rise against the bound."""
+    model's load, its VmHWM rise against the bound. A compressed-tensors W8A8 checkpoint's
+    values load as stored, under the same bound."""
+    from test_quantization import compressed_checkpoint
+
     path = build(tmp_path / "m", hidden=256, layers=4, vocab=8192, peaked=False)
     warm = build(tmp_path / "warm", peaked=False)
+    if method.startswith("compressed-tensors"):
+        path, method = tmp_path / "ct", "int8"
+        compressed_checkpoint(tmp_path / "m", path)
     proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path), method, str(warm)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("PEAK ")), None)

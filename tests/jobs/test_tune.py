@@ -97,3 +97,19 @@ def test_recommendation_is_the_smallest_setting_near_the_fastest_that_fits():
     assert T.recommend([small, big, bigger, broken], None) is bigger
     assert T.recommend([small, big, bigger], memory_limit=300) is small
     assert T.recommend([big, bigger], memory_limit=150) is None
+
+
+def test_the_memory_lines_name_the_quantization_and_the_load_peak():
+    from jobs.tune_report import pools
+
+    memory = {"kv_blocks": 64, "block_size": 16, "kv_bytes": 8 * 2**20, "weights_bytes": 100 * 2**20,
+              "unquantized_weights_bytes": 200 * 2**20, "quantization": "int8", "load_peak_bytes": 120 * 2**20,
+              "streamed": True}
+    run = T.Measurement(T.Setting(1024, 8, "static"), seconds=1.0, rows=1, errors=0, prompt_tokens=0,
+                        generated_tokens=1, peak_kv_tokens=1, kv_bytes_per_token=1, peak_memory_bytes=1,
+                        memory=memory)
+    lines = pools([run]).splitlines()
+    assert lines[1] == "  weights: 100.0 MiB with quantization int8, 200.0 MiB without: it saves 100.0 MiB (0.50x)"
+    assert lines[2] == "  loading them added 120.0 MiB at its peak (each layer quantized as it was read)"
+    plain = pools([T.Measurement(**{**run.__dict__, "memory": {**memory, "quantization": None, "streamed": False}})])
+    assert plain.splitlines()[2] == "  loading them added 120.0 MiB at its peak"

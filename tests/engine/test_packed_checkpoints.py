@@ -69,10 +69,13 @@ def write(fmt: str, src: Path, out: Path, **config_extra) -> tuple[Path, dict[st
             shutil.copy(f, out / f.name)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     tensors, dequantized = {}, {}
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    linears = {n: m for n, m in model.named_modules()  # (a layer the groups do not divide stays as it is)
+               if isinstance(m, torch.nn.Linear) and n != "lm_head" and m.in_features % G == 0}
+    seen = set()
     for name, p in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
-        if module not in linears:
+        if module not in linears and p.data_ptr() not in seen:  # a tied head once, as the embedding
+            seen.add(p.data_ptr())
             tensors[name] = p.contiguous()
     for name, m in linears.items():
         w = m.weight.detach()

@@ -6,6 +6,7 @@ part index and to the job's totals, and prints progress; it never holds the plan
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import traceback
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ from pipeline.run.worker import ShardWorker
 
 if TYPE_CHECKING:
     from pipeline.spec import Job
+
+log = logging.getLogger(__name__)
 
 EXECUTOR_JOIN_S = 10.0  # a failed execution's loop ends within seconds of its shutdown
 
@@ -55,10 +58,14 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
         getattr(rows, "close", lambda: None)()
         progress.close()
     if failure is not None:
-        _release(failure)
-        del ds, rows
-        gc.collect()
-        raise JobError(worker_cause(failure)) from failure
+        message = worker_cause(failure)
+        try:
+            _release(failure)
+            del ds, rows
+            gc.collect()
+        except Exception:  # the job's own error is what its caller must see
+            log.debug("releasing a failed execution", exc_info=True)
+        raise JobError(message) from failure
     index.flush()
     return totals
 
@@ -84,7 +91,7 @@ def _release(failure: BaseException) -> None:
             while frame is not None:
                 try:
                     frame.clear()
-                except RuntimeError:  # still running: this thread's callers
+                except Exception:  # still running (this thread's callers), or a generator's close failed
                     pass
                 frame = frame.f_back
             tb = tb.tb_next

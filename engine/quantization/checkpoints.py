@@ -113,11 +113,16 @@ class ScaledFormat:
         return values, scale.float().contiguous()
 
 
+def weight_schemes(qc: dict) -> list[dict]:
+    """A compressed-tensors quantization_config's weight schemes, one per config group."""
+    return [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+
+
 def stored_format(qc: dict) -> PackedFormat | ScaledFormat:
     """How a quantized checkpoint's layers load as stored: 4-bit ones repacked (packed_format),
     8-bit compressed-tensors ones as they are. ValueError in one line for what cannot run."""
     if qc.get("quant_method") == "compressed-tensors":
-        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        weights = weight_schemes(qc)
         kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
         if kinds in ({("int", 8)}, {("float", 8)}):
             kind = "int8" if kinds == {("int", 8)} else "fp8"
@@ -171,7 +176,7 @@ def packed_format(qc: dict) -> PackedFormat:
         return PackedFormat("awq", int(qc.get("group_size", qc.get("q_group_size")) or 128),
                             ("qweight", "qzeros", "scales"))
     if method == "compressed-tensors":
-        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        weights = weight_schemes(qc)
         w = weights[0] if weights else {}
         if qc.get("format") != "pack-quantized" or w.get("num_bits") != 4 or w.get("type") != "int":
             raise ValueError("compressed-tensors checkpoint: of 4-bit weights only pack-quantized int4 runs")

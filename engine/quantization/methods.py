@@ -115,10 +115,10 @@ def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     name = qc.get("quant_method", "unknown")
     if name == "compressed-tensors":
-        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-        kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
+        from engine.quantization.checkpoints import stored_format, weight_schemes
+
+        kinds = {(w.get("type"), w.get("num_bits")) for w in weight_schemes(qc)}
         if kinds in ({("int", 8)}, {("float", 8)}):
-            from engine.quantization.checkpoints import stored_format
 
             fmt = stored_format(qc)  # a one-line ValueError for a scheme that cannot run
             return fmt.name, fmt.kind

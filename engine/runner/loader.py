@@ -110,9 +110,8 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
     (engine.quantization.checkpoints) of a quantized checkpoint whose layers load as stored."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from engine.quantization.streaming import load_quantized
-
     from engine.quantization.checkpoints import PackedFormat
+    from engine.quantization.streaming import load_quantized
 
     attn = prepare_load(config, model_dir)
     if set(config.extra) - {"attn_implementation"} and not isinstance(packed, PackedFormat):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import traceback
 from typing import TYPE_CHECKING
 
 from pipeline.errors import JobError
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXECUTOR_JOIN_S = 10.0  # a failed execution's loop ends within seconds of its shutdown
+
 
 def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord, index: IndexWriter,
             progress) -> PartTotals:

@@ -16,7 +16,7 @@ from torch import nn
 from engine.api.config import EngineConfig
 from engine.api.errors import AdapterError
 from engine.api.lora import LoRARequest
-from engine.distributed.tensor_parallel import shard_tensor, style_of
+from engine.distributed.tensor_parallel import shard_tensor, style_of, whole_rows
 from engine.lora.adapters import AdapterWeights, read_adapter
 from engine.lora.layers import LoRAContext, LoRALinear, adaptable, in_out, wrap
 
@@ -44,13 +44,11 @@ class LoRAModel:
         fan_in, fan_out = in_out(module)
         if self.shard is None:
             return fan_in, fan_out
-        styles, _, _, n = self.shard
+        styles, sections, _, n = self.shard
         kind = style_of(name, styles)
         if kind == "row":
             return fan_in * n, fan_out
-        if kind != "replicated":
-            return fan_in, fan_out * n
-        return fan_in, fan_out
+        return fan_in, whole_rows(kind, fan_out, sections, n)
 
     def read(self, request: LoRARequest) -> AdapterWeights:
         """The adapter's host weights (read and checked once; kept while among the max_cpu_loras most

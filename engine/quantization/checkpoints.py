@@ -55,12 +55,24 @@ class PackedFormat:
     def owns(self, files, module: str) -> bool:
         return f"{module}.{self.tensors[0]}" in files
 
+    def layout(self, suffix: str):
+        """A tensor's (output axis, outputs per stored element, input axis, inputs per stored
+        element), as tensor parallelism cuts it (engine.distributed.tensor_parallel.ShardedFiles)."""
+        g = self.group_size
+        return {"gptq": {"qweight": (1, 1, 0, 8), "qzeros": (1, 8, 0, g), "scales": (1, 1, 0, g),
+                         "g_idx": (None, 1, 0, 1)},
+                "awq": {"qweight": (1, 8, 0, 1), "qzeros": (1, 8, 0, g), "scales": (1, 1, 0, g)},
+                "compressed-tensors": {"weight_packed": (0, 1, 1, 8), "weight_scale": (0, 1, 1, g),
+                                       "weight_shape": (None, 1, None, 1)}}[self.name].get(suffix)
+
     def read(self, files, module: str, out_features: int, in_features: int):
         """(q (N, K) uint8 in [0, 15], scale, zero (N, K / G) float32) in the kernels' convention;
         ValueError naming the tensor when one is missing or misshapen."""
         n, k, g = out_features, in_features, self.group_size
         if k % g:
-            raise ValueError(f"{module}: group size {g} does not divide its {k} input features")
+            ranks = getattr(files, "n", 1)  # a tensor-parallel rank's slices (ShardedFiles) hold 1/n of K
+            share = f" (each of {ranks} tensor-parallel ranks holds {k} of its {k * ranks})" if ranks > 1 else ""
+            raise ValueError(f"{module}: group size {g} does not divide its {k} input features{share}")
         get = _getter(files, module)
         if self.name == "compressed-tensors":
             q = nibbles(get("weight_packed", (n, k // 8)), dim=1)
@@ -69,7 +81,8 @@ class PackedFormat:
         scale = get("scales", (k // g, n)).float().T.contiguous()
         if self.name == "gptq":
             g_idx = f"{module}.g_idx"
-            if g_idx in files and not torch.equal(files.get(g_idx).long(), torch.arange(k) // g):
+            order = files.get(g_idx).long() if g_idx in files else None  # (a shard's starts past 0)
+            if order is not None and not torch.equal(order - order[:1], torch.arange(k) // g):
                 raise ValueError(f"{g_idx}: the groups are not in order (desc_act); only desc_act false runs")
             q = nibbles(get("qweight", (k // 8, n)), dim=0).T.contiguous()
             z = nibbles(get("qzeros", (k // g, n // 8)), dim=1).float() + self.zero_offset
@@ -91,6 +104,10 @@ class ScaledFormat:
 
     def owns(self, files, module: str) -> bool:
         return f"{module}.weight_scale" in files
+
+    def layout(self, suffix: str):
+        """As PackedFormat.layout: values (N, K), a scale per output channel (N, 1) or tensor (1,)."""
+        return {"weight": (0, 1, 1, 1), "weight_scale": (0, 1, None, 1)}.get(suffix)
 
     def read(self, files, module: str, out_features: int, in_features: int):
         """(values (N, K) int8 or float8 e4m3, scale (N,) float32); ValueError naming the tensor

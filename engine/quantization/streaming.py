@@ -108,8 +108,7 @@ def build_on_meta(cls, hf_config, dtype: torch.dtype, attn_implementation: str, 
 def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool, packed=None) -> bool:
     """Whether every parameter of the model is a tensor of the checkpoint under its own name (a
     linear layer a quantized checkpoint's format `packed` holds, by that format's tensors)."""
-    head = model.get_output_embeddings()
-    head_weight = None if head is None else head.weight
+    head_weight = getattr(model.get_output_embeddings(), "weight", None)
     return all(name in files or (tied and param is head_weight)
                or (packed is not None and packed.owns(files, name.rsplit(".", 1)[0]))
                for name, param in model.named_parameters())
@@ -206,19 +205,25 @@ def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtyp
 
 
 def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
-                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0, packed=None):
+                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0, packed=None,
+                   files=None, adapt=None):
     """The model of class `cls`, its linear layers quantized with `method` as they are read;
     (model, what its weights would hold unquantized in `dtype`), or None where the checkpoint's
-    tensor names are not the model's own (the caller loads it whole)."""
+    tensor names are not the model's own (the caller loads it whole). `files`: the tensors to
+    read (a tensor-parallel rank's slices), else the model_dir's safetensors files; `adapt(model)`
+    changes the model built on meta before it is filled (a rank without the LM head)."""
     try:
-        files = SafetensorsFiles(model_dir)
+        files = SafetensorsFiles(model_dir) if files is None else files
     except FileNotFoundError:
         return None
     model = build_on_meta(cls, hf_config, dtype, attn_implementation, trust_remote_code)
+    if adapt is not None:
+        adapt(model)
     tied = bool(getattr(hf_config.get_text_config(decoder=True), "tie_word_embeddings", False)
                 or getattr(hf_config, "tie_word_embeddings", False))
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if tied and head is not None and embedding is not None and head.weight.shape == embedding.weight.shape:
+    if (tied and getattr(head, "weight", None) is not None and embedding is not None
+            and head.weight.shape == embedding.weight.shape):
         head.weight = embedding.weight  # one tensor, as the loaded model holds it
     if packed is not None and not any(packed.owns(files, n) for n, _ in model.named_modules()):
         raise ValueError(f"the config says {packed.name}, but no layer holds its tensors (no *.{packed.tensors[0]})")

@@ -124,6 +124,36 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
         raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method}: {one_line(exc)}") from exc
 
 
+def load_shard_quantized(config: EngineConfig, model_dir: Path, hf_config, dtype, device, method: str, shard: tuple,
+                         extra_bytes=lambda model: 0, packed=None):
+    """A tensor-parallel rank's shard (`shard`: styles, sections, rank, n) quantized with `method`
+    as load_model_quantized quantizes a whole model: each tensor read, cut to the rank's slice and
+    its layer quantized (or, from a quantized checkpoint, repacked) before the next. None where
+    the checkpoint's tensor names are not the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.distributed.tensor_parallel import NoHead, ShardedFiles, rank_config
+    from engine.quantization.streaming import SafetensorsFiles, load_quantized
+
+    styles, sections, rank, n = shard
+    attn = prepare_load(config, model_dir)
+    try:
+        files = ShardedFiles(SafetensorsFiles(model_dir), styles, sections, rank, n,
+                             None if packed is None else packed.layout)
+    except FileNotFoundError:
+        return None
+
+    def without_head(model):
+        if rank:  # rank 0 computes the logits
+            model.set_output_embeddings(NoHead(hf_config.vocab_size))
+    try:
+        return load_quantized(AutoModelForCausalLM, rank_config(hf_config, n), model_dir, method, dtype, device,
+                              attn, config.trust_remote_code, extra_bytes, packed, files=files, adapt=without_head)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method} on rank {rank} of {n}: "
+                             f"{one_line(exc)}") from exc
+
+
 def adapter_targets(config: EngineConfig, model_dir: Path) -> dict[str, tuple[int, int]]:
     """Module name -> (in, out) features of every projection a LoRA adapter may target in the model,
     from its config alone (built on the meta device: no weights read), as the engine names them."""

@@ -21,8 +21,8 @@ from engine.quantization.methods import check_method, checkpoint_method, quantiz
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
-                                  packs_head, prepare_load)
+from engine.runner.loader import (check_architecture, load_model, load_model_quantized, load_shard_quantized,
+                                  model_head, pack_lm_head, packs_head, prepare_load)
 from engine.runner.memory import LoadPeak, used_before_load
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
@@ -106,7 +106,7 @@ class ModelRunner:
         self.lora = LoRAModel(config, self.model, self.device, self.dtype, self.shard) if config.enable_lora else None
         """Adapters read and installed in device slots (enable_lora), else None."""
 
-    def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None):
+    def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None, packed):
         """This rank's shard (quantized after sharding: each shard's own per-channel scales); rank 0
         starts the other ranks first (after the checks that need none) and waits for their shards."""
         from engine.runner import attention
@@ -116,8 +116,8 @@ class ModelRunner:
         if config.extra:
             raise ModelLoadError(f"tensor_parallel_size {n} builds each shard itself: engine.extra "
                                  f"({', '.join(sorted(config.extra))}) would not be applied; remove it")
-        styles = tensor_parallel.check_shardable(hf_config, n, checkpoint)
-        self.shard = (styles, tensor_parallel.fused_sections(hf_config), self.rank, n)
+        styles = tensor_parallel.check_shardable(hf_config, n)
+        self.shard = (styles, tensor_parallel.fused_sections(hf_config, n), self.rank, n)
         if self.device.type == "cuda" and torch.cuda.device_count() < n:
             raise ModelLoadError(f"tensor_parallel_size {n} needs {n} visible GPUs, torch sees "
                                  f"{torch.cuda.device_count()}")
@@ -125,9 +125,12 @@ class ModelRunner:
             self.ranks = RankGroup.start(replace(config, model=str(self.model_dir), tokenizer=None), self.device,
                                          rank_main)
         try:
-            model = tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
-                                               self.device, self.rank, n, config.trust_remote_code)
-            self._quantize(model)
+            model = self._streamed_or_whole(
+                lambda: load_shard_quantized(config, self.model_dir, hf_config, self.dtype, self.device,
+                                             self.quantization, self.shard, self._packed_head_extra, packed),
+                lambda: tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
+                                                   self.device, self.rank, n, config.trust_remote_code),
+                checkpoint, must_stream=packed is not None)  # (sliced as plain tensors otherwise)
             tensor_parallel.add_all_reduce(model)
             if self.ranks is not None:
                 self.ranks.wait_for("ready", None)  # loading a shard takes what it takes; a dead rank fails
@@ -144,23 +147,29 @@ class ModelRunner:
         (then quantized), or this rank's shard under tensor parallelism."""
         self.streamed = False
         """Whether the weights were quantized layer by layer as they were read."""
+        packed = stored_format(checkpoint_config(hf_config)) if checkpoint is not None else None
         if self.tensor_parallel_size > 1:
-            self.model = self._load_shard(config, hf_config, checkpoint)
+            self.model = self._load_shard(config, hf_config, checkpoint, packed)
             return
-        loaded, packed = None, None
-        if checkpoint is not None:  # a quantized checkpoint, run as stored
-            packed = stored_format(checkpoint_config(hf_config))
-        if self.quantization is not None:
-            loaded = load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
-                                          self.head, self._packed_head_extra, packed)
-            if loaded is None and isinstance(packed, PackedFormat):  # 4-bit layers: nothing else reads them
-                raise ModelLoadError(f"{self.model_dir}: a {checkpoint} checkpoint loads from safetensors files with "
-                                     "the model's own tensor names")
+        self.model = self._streamed_or_whole(
+            lambda: load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
+                                         self.head, self._packed_head_extra, packed),
+            lambda: load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head),
+            checkpoint, must_stream=isinstance(packed, PackedFormat))  # 4-bit layers: nothing else reads them
+
+    def _streamed_or_whole(self, stream, whole, checkpoint: str | None, must_stream: bool):
+        """The model quantized as it is read (stream()) where it runs quantized and can be, else
+        loaded whole (whole()) and then quantized."""
+        loaded = stream() if self.quantization is not None else None
         if loaded is not None:
-            (self.model, self.unquantized_nbytes), self.streamed = loaded, True
-        else:
-            self.model = load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head)
-            self._quantize(self.model)
+            (model, self.unquantized_nbytes), self.streamed = loaded, True
+            return model
+        if must_stream:
+            raise ModelLoadError(f"{self.model_dir}: a {checkpoint} checkpoint loads from safetensors files with the "
+                                 "model's own tensor names")
+        model = whole()
+        self._quantize(model)
+        return model
 
     def close(self) -> None:
         """Stops the other ranks (tensor_parallel_size > 1); idempotent."""

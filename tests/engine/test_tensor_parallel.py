@@ -7,6 +7,7 @@ import multiprocessing
 import os
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.api.errors import ModelLoadError
@@ -100,22 +101,54 @@ def test_sizes_that_do_not_divide_are_refused_in_one_line(tiny_model_dir):
         LLMEngine(config(tiny_model_dir("llama"), 3))
     message = str(err.value)
     assert message == ("tensor_parallel_size 3 does not divide the model's num_attention_heads 4, "
-                       "num_key_value_heads 2, intermediate_size 128")
+                       "num_key_value_heads 2 (nor is it a multiple of them: the 2 KV heads are replicated only "
+                       "then), intermediate_size 128")
     assert set(multiprocessing.active_children()) <= before  # refused before any rank started
 
 
-def test_kv_heads_fewer_than_ranks_are_refused(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def one_kv_head(arch: str, out, kv: int = 1, heads: int = 4):
+    """A tiny `arch` model with `kv` KV heads (Gemma 2B and Gemma 3 1B have one)."""
+    from transformers import AutoModelForCausalLM
 
     from engine.models.builtin import byte_tokenizer
+    from tiny_models import tiny_config
 
-    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=1)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    byte_tokenizer().save_pretrained(tmp_path)
+    cfg = tiny_config(arch)
+    cfg.hidden_size = 16 * heads
+    cfg.num_key_value_heads, cfg.num_attention_heads = kv, heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_fewer_kv_heads_than_ranks_are_replicated(arch, tmp_path):
+    """One KV head over two ranks: each rank keeps it (its query heads all use it), so the tokens
+    and logprobs are one process's. Qwen2's K and V biases and Phi-3's fused qkv_proj are cut the
+    same way."""
+    path = one_kv_head(arch, tmp_path)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    one = LLMEngine(config(path, 1))
+    want = one.generate(PROMPTS, params)
+    with LLMEngine(config(path, 2)) as two:
+        outs = two.generate(PROMPTS, params)
+        assert two.runner.model.config.num_key_value_heads == 1
+        assert two.cache.nbytes() == one.cache.nbytes()  # each rank holds the one head of every token
+    for a, b in zip(want, outs):
+        assert b.token_ids == a.token_ids, arch
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert max(abs(step_a[t] - step_b[t]) for t in step_a) < LOGPROB_TOL, arch
+
+
+def test_kv_heads_that_neither_divide_nor_are_divided_by_the_ranks_are_refused(tmp_path):
+    path = one_kv_head("llama", tmp_path, kv=3, heads=6)
     with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size 2 does not divide the model's "
-                                             r"num_key_value_heads 1$"):
-        LLMEngine(config(tmp_path, 2))
+                                             r"num_key_value_heads 3$"):
+        LLMEngine(config(path, 2))
+    with pytest.raises(ModelLoadError, match=r"num_key_value_heads 3 \(nor is it a multiple of them: the 3 KV "
+                                             r"heads are replicated only then\)"):
+        LLMEngine(config(path, 4))
 
 
 def test_an_architecture_without_a_plan_is_refused_in_one_line(tiny_model_dir):
@@ -164,7 +197,7 @@ def test_int8_weights_load_and_run_on_shards(tiny_model_dir):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     full = LLMEngine(config(path, 1)).generate(PROMPTS, params)
     with LLMEngine(config(path, 2, quantization="int8")) as two:
-        assert two.memory["quantization"] == "int8"
+        assert two.memory["quantization"] == "int8" and two.memory["streamed"]  # each slice quantized as read
         assert two.memory["weights_bytes"] < two.memory["unquantized_weights_bytes"]
         outs = two.generate(PROMPTS, params)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in outs)

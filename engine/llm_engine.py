@@ -181,7 +181,7 @@ class LLMEngine:
             if params.structured_outputs is not None:
                 self.grammar.compile(params.structured_outputs)
             if params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None]
+                seq.prompt_logprobs, seq.prompt_logprob_ranks = [None], [None]
                 self._prompt_logprobs = True
         except (TypeError, ValueError) as exc:
             seq.fail(str(exc))

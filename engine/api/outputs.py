@@ -27,6 +27,9 @@ class Sample:
     num_cached_tokens: int = 0
     """Prompt tokens this sample found in the prefix cache (a sibling sample that computed the
     prompt first leaves it all cached for the others)."""
+    logprob_ranks: list[int] | None = None
+    """Beside logprobs: each generated token's rank in the whole vocabulary (1 = the most
+    probable), which vLLM's Logprob.rank gives the chosen token."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -62,6 +65,11 @@ class Completion:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} for it and its
     top-N alternatives given the tokens before it; the first token's entry is None (vLLM's)."""
+    logprob_ranks: list[int] | None = None
+    """Beside logprobs: each generated token's rank in the whole vocabulary (1 = the most
+    probable), which vLLM's Logprob.rank gives the chosen token."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Beside prompt_logprobs: each prompt token's rank in the vocabulary (None first)."""
 
     @property
     def num_generated_tokens(self) -> int:

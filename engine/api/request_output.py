@@ -61,7 +61,8 @@ def completion_outputs(c: Completion, decode=None, lora_request=None) -> list[Co
     for s in c.samples or [c]:
         logprobs = cumulative = None
         if s.logprobs is not None:
-            logprobs = [_ranked(position, decode) for position in s.logprobs]
+            ranks = s.logprob_ranks or [None] * len(s.logprobs)
+            logprobs = [_ranked(p, decode, r) for p, r in zip(s.logprobs, ranks)]
             chosen = [p.get(t) for p, t in zip(s.logprobs, s.token_ids)]
             cumulative = sum(x for x in chosen if x is not None)
         outs.append(CompletionOutput(getattr(s, "index", 0), s.text, list(s.token_ids), cumulative, logprobs,
@@ -73,12 +74,17 @@ def prompt_logprobs_of(c: Completion, decode=None) -> list[dict[int, Logprob] | 
     """A Completion's prompt logprobs as vLLM returns them: None first, then ranked Logprobs."""
     if c.prompt_logprobs is None:
         return None
-    return [None if p is None else _ranked(p, decode) for p in c.prompt_logprobs]
+    ranks = c.prompt_logprob_ranks or [None] * len(c.prompt_logprobs)
+    return [None if p is None else _ranked(p, decode, r) for p, r in zip(c.prompt_logprobs, ranks)]
 
 
-def _ranked(position: dict[int, float], decode) -> dict[int, Logprob]:
+def _ranked(position: dict[int, float], decode, rank: int | None = None) -> dict[int, Logprob]:
+    """A position's entries as Logprobs: the top-N ranked in their order, the chosen or prompt
+    token (the first entry, which may lie outside them) at `rank`, its rank in the vocabulary."""
     order = sorted(position, key=position.get, reverse=True)
-    return {t: Logprob(position[t], order.index(t) + 1, decode(t) if decode else None) for t in position}
+    token = next(iter(position), None)
+    return {t: Logprob(position[t], rank if t == token and rank is not None else order.index(t) + 1,
+                       decode(t) if decode else None) for t in position}
 
 
 @dataclass

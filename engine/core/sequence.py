@@ -36,6 +36,8 @@ class Sequence:
     """Generated tokens so far."""
     logprobs: list[dict[int, float]] | None = None
     """Per generated token {id: logprob}, when params.logprobs is set."""
+    logprob_ranks: list[int] | None = None
+    """Per generated token, its rank in the vocabulary (1 = most probable), with logprobs."""
     finish_reason: str | None = None
     """stop | length | error, once finished."""
     stop_reason: str | int | None = None
@@ -77,6 +79,8 @@ class Sequence:
     """The token sequences its params.bad_words ban (engine.sample.token_options)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """On sample 0 with params.prompt_logprobs: per prompt token so far, {id: logprob} (None first)."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Beside prompt_logprobs: each prompt token's rank in the vocabulary (None first)."""
 
     @property
     def collects_prompt_logprobs(self) -> bool:
@@ -127,7 +131,8 @@ class Sequence:
     def to_sample(self) -> Sample:
         return Sample(index=self.sample_index, text=self.text or "", token_ids=list(self.output_token_ids),
                       finish_reason=self.finish_reason or "error", stop_reason=self.stop_reason,
-                      logprobs=self.logprobs, error=self.error, num_cached_tokens=self.num_cached_tokens or 0)
+                      logprobs=self.logprobs, error=self.error, num_cached_tokens=self.num_cached_tokens or 0,
+                      logprob_ranks=self.logprob_ranks)
 
     def to_completion(self) -> Completion:
         samples = self.group or [self]
@@ -143,4 +148,6 @@ class Sequence:
             samples=[s.to_sample() for s in samples],
             num_cached_tokens=self.num_cached_tokens or 0,
             prompt_logprobs=self.prompt_logprobs if self.finish_reason != "error" else None,
+            logprob_ranks=self.logprob_ranks,
+            prompt_logprob_ranks=self.prompt_logprob_ranks if self.finish_reason != "error" else None,
         )

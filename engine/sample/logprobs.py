@@ -1,5 +1,6 @@
 """Logprobs of sampled tokens: packed into the step's one device->host transfer, then unpacked
-into each row's {token id: logprob} entries (the chosen token's first, then its top-N)."""
+into each row's {token id: logprob} entries (the chosen token's first, then its top-N) and the
+chosen token's rank in the whole vocabulary (vLLM's Logprob.rank)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,10 @@ def top_n(seqs: list[Sequence]) -> int | None:
 
 def logprob_columns(logprobs: torch.Tensor, tokens: torch.Tensor, n: int) -> list[torch.Tensor]:
     """What rides along in the transfer for logprobs (k, V) and sampled tokens (k,): the chosen
-    tokens' logprobs, then n rows of top values and n of their token ids (all float64, (k,))."""
-    columns = [logprobs.gather(1, tokens[:, None])[:, 0].double()]
+    tokens' logprobs and ranks (1 + the tokens more probable), then n rows of top values and n of
+    their token ids (all float64, (k,))."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    columns = [chosen[:, 0].double(), (logprobs > chosen).sum(1).double() + 1]
     if n:
         top = logprobs.topk(n)
         columns += [*top.values.double().T, *top.indices.double().T]
@@ -24,9 +27,10 @@ def logprob_columns(logprobs: torch.Tensor, tokens: torch.Tensor, n: int) -> lis
 
 
 def record_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
-    """Appends each row's entry for its newest token, from the transfer's logprob rows (`host`:
-    chosen, then n top values, then n top token ids, one column per row of `seqs`)."""
-    chosen, values, ids = host[0], host[1:1 + n], host[1 + n:].astype(np.int64)
+    """Appends each row's entry for its newest token, and that token's rank, from the transfer's
+    logprob rows (`host`: chosen, its rank, then n top values, then n top token ids, one column
+    per row of `seqs`)."""
+    chosen, ranks, values, ids = host[0], host[1].astype(np.int64), host[2:2 + n], host[2 + n:].astype(np.int64)
     for i, seq in enumerate(seqs):
         want = seq.params.logprobs
         if want is None:
@@ -34,3 +38,4 @@ def record_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
         entry = {seq.output_token_ids[-1]: float(chosen[i])}
         entry.update(zip(ids[:want, i].tolist(), values[:want, i].tolist()))
         seq.logprobs = (seq.logprobs or []) + [entry]
+        seq.logprob_ranks = (seq.logprob_ranks or []) + [int(ranks[i])]

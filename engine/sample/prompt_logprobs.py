@@ -70,7 +70,8 @@ def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> Non
     for seq, start, n in plan.collect:
         lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result
         targets = seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]
-        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+        chosen, ranks = picked[:, 0].tolist(), ((lp > picked).sum(1) + 1).tolist()
         want = seq.params.prompt_logprobs
         top = lp.topk(want) if want else None
         values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
@@ -79,3 +80,4 @@ def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> Non
             if want:
                 entry.update(zip(ids[k], values[k]))
             seq.prompt_logprobs.append(entry)
+            seq.prompt_logprob_ranks.append(ranks[k])

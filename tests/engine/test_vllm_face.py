@@ -116,6 +116,36 @@ def test_logprobs_example(llm):
     assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
 
 
+def test_a_tokens_rank_is_its_rank_in_the_whole_vocabulary(llm, model):
+    """vLLM's Logprob.rank: a sampled token outside the returned top-N, and each prompt token,
+    ranked among all 32k tokens (it was ranked among the few returned entries), against the
+    logits transformers computes for the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=3.0, seed=5, logprobs=1, prompt_logprobs=0, ignore_eos=True)
+    out = llm.generate("The capital of France is", params)[0]
+    sample = out.outputs[0]
+    ids = out.prompt_token_ids + sample.token_ids
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = ref(torch.tensor([ids])).logits[0].float()
+
+    def rank(row: int, token: int) -> int:
+        return int((rows[row] > rows[row, token]).sum()) + 1
+
+    start = len(out.prompt_token_ids)
+    got = [position[t].rank for t, position in zip(sample.token_ids, sample.logprobs)]
+    want = [rank(start - 1 + i, t) for i, t in enumerate(sample.token_ids)]
+    assert max(got) > 2, got  # hot sampling picks tokens outside the top one
+    assert all(abs(a - b) <= max(1, b // 100) for a, b in zip(got, want)), (got, want)  # (near-ties)
+    prompt = [position[t].rank for t, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    want = [rank(k, t) for k, t in enumerate(out.prompt_token_ids[1:])]
+    assert all(abs(a - b) <= max(1, b // 100) for a, b in zip(prompt, want)), (prompt, want)
+
+
 def test_prompts_as_token_ids_and_vllm_dicts_give_the_same_outputs(llm):
     from engine import SamplingParams
 

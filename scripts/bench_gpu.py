@@ -26,6 +26,14 @@ over 790 TFLOP/s; the limit is the sum. Targets: >= 8,000 generated tok/s and >=
 limit; continuous >= static.
 
     python scripts/bench_gpu.py --workload 8b [--json OUT.json] [--subset 32]
+
+Quantized (issue 35), `--quantization int8,int4,fp8`: the 1.2B workload through the static
+engine in bf16 and then with each method (fp8 where the card has fp8 matmuls), side by side:
+generated tok/s, the share of rows whose greedy tokens equal bf16's (a random model's near-ties
+flip under any rounding), the weights' bytes, and the device memory the load added at its peak
+against the bound of the quantized weights + the largest tensor in bf16 + 10%.
+
+    python scripts/bench_gpu.py --quick --quantization int8,int4,fp8 [--json OUT.json]
     python scripts/bench_gpu.py --workload 8b --smoke     # on CPU: tiny shape, lengths / 16
 
 Each system's line is printed as soon as it finishes, so a run cut short still reports.
@@ -209,6 +217,50 @@ def agreement(a, b) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
+def main_quantized(args, shape: dict, n: int) -> None:
+    """bf16 against each method of --quantization on the 1.2B workload (static engine)."""
+    from engine.quantization.streaming import SafetensorsFiles
+
+    methods = [m for m in args.quantization.split(",") if m]
+    if "fp8" in methods and (DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9)):
+        print("  fp8 left out: no fp8 matmuls on this device", flush=True)
+        methods.remove("fp8")
+    prompts, outputs = workload(n, shape["vocab_size"])
+    generated = sum(outputs)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(args.model_dir or tmp) / "llama", shape)
+        files = SafetensorsFiles(model_dir)
+        largest = max(2 * torch.Size(files.shape(name)).numel() for name in files.entries)  # bf16
+        for method in [None, *methods]:
+            t, toks, llm, _ = run_engine(model_dir, prompts, outputs, scheduling="static", quantization=method)
+            mem = llm.memory
+            bound = 1.1 * (mem["weights_bytes"] + largest)
+            rows.append({"method": method or {"bfloat16": "bf16"}.get(DTYPE, DTYPE), "seconds": t, "tok_s": generated / t, "tokens": toks,
+                         "weights_bytes": mem["weights_bytes"], "load_peak_bytes": mem["load_peak_bytes"],
+                         "bound_bytes": bound, "streamed": mem.get("streamed", False)})
+            print(f"  {rows[-1]['method']}: {t:.2f} s, {generated / t:,.0f} generated tok/s, weights "
+                  f"{mem['weights_bytes'] / 2**20:,.1f} MiB, load peak {mem['load_peak_bytes'] / 2**20:,.1f} MiB "
+                  f"(bound {bound / 2**20:,.1f})", flush=True)
+            del llm
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+            if args.json:
+                Path(args.json).write_text(json.dumps({"generated_tokens": generated, "requests": len(prompts),
+                                                       "systems": [{k: v for k, v in r.items() if k != "tokens"}
+                                                                   for r in rows]}, indent=2))
+    base = rows[0]
+    print(f"\n{len(prompts)} requests, {generated} generated tokens, {'tiny Llama (smoke)' if args.smoke else '1.2B Llama'}"
+          f", static engine\n")
+    print(f"| method | seconds | generated tok/s | vs {base['method']} | same tokens as {base['method']} | weights MiB "
+          "| load peak MiB | bound MiB | within |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        within = "—" if r is base else ("yes" if r["load_peak_bytes"] <= r["bound_bytes"] else "NO")
+        print(f"| {r['method']} | {r['seconds']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+              f"{agreement(r['tokens'], base['tokens'])} | {r['weights_bytes'] / 2**20:,.1f} | "
+              f"{r['load_peak_bytes'] / 2**20:,.1f} | {r['bound_bytes'] / 2**20:,.1f} | {within} |")
+
+
 def workload_8b(n: int, vocab: int, scale: int = 1, seed: int = 0):
     """A shared 256-token system prefix plus 256-1,280 unique tokens each, max_tokens 256-768
     (every length divided by `scale`)."""
@@ -373,6 +425,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=("1.2b", "8b"), default="1.2b")
     ap.add_argument("--subset", type=int, default=32, help="8b: requests the transformers baselines run")
     ap.add_argument("--skip-generate-batch", action="store_true", help="8b: leave out transformers' generate_batch")
+    ap.add_argument("--quantization", help="1.2b: bf16 against these methods (comma-separated) instead of the "
+                                           "usual systems")
     args = ap.parse_args()
     if args.workload == "8b":
         if args.smoke:
@@ -381,6 +435,8 @@ def main() -> None:
     shape, n = (SMOKE_SHAPE, 16) if args.smoke else (SHAPE, 128 if args.quick else 512)
     if args.smoke:
         DEVICE, DTYPE = "cpu", "float32"
+    if args.quantization:
+        return main_quantized(args, shape, n)
     prompts, outputs = workload(n, shape["vocab_size"])
     generated = sum(outputs)
     name = "tiny Llama (smoke)" if args.smoke else "1.2B Llama bf16"

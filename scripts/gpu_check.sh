@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA check, one command, for a CUDA machine with no network (bounded at 6 minutes, so a
-# session's 15 device minutes leave room for the machine's start and one rerun; each stage prints
-# as it goes, and a stage past its bound is cut and marks the check failed):
+# The CUDA check, one command, for a CUDA machine with no network (bounded at 7.6 minutes, so a
+# session's 15 device minutes leave room for the machine's start and a rerun of its first stages;
+# each stage prints as it goes, and a stage past its bound is cut and marks the check failed):
 #   0. the Triton attention kernels against the torch references, compiled (tests/engine/test_triton_attention.py);
-#   1. the GPU tests: fp32 parity with transformers with CUDA graphs on, graphs == eager, bf16 agreement;
+#   1. the GPU tests: fp32 parity with transformers with CUDA graphs on, graphs == eager, bf16 agreement,
+#      int8 / int4 / fp8 against bf16 with their load peaks;
 #   2. the 1.2B throughput table (scripts/bench_gpu.py --quick: 128 requests) and a decode profile;
-#   3. the 8B workload (scripts/bench_gpu.py --workload 8b): the engine against the limit it computes.
+#   3. the 1.2B workload quantized: bf16 vs int8 vs int4 vs fp8 tok/s and load peaks (--quantization);
+#   4. the 8B workload (scripts/bench_gpu.py --workload 8b): the engine against the limit it computes.
 # Prefix caching on the GPU (scripts/bench_prefix.py --device cuda) is left to a run by hand.
 # Results go to $OUT (default results/gpu_check). Wheels in .whl/ (e.g. transformers>=5.24 where the
 # machine has an older one) are installed to /tmp/site first. Runs with the machine's python3:
@@ -31,8 +33,10 @@ stage() {  # stage SECONDS LOG COMMAND...: bounded, logged, timed; a failure mar
     echo "== took $((SECONDS - start))s"
 }
 stage 40 kernel_tests.log python3 -m pytest tests/engine/test_triton_attention.py -q -p no:cacheprovider
-stage 60 gpu_tests.log python3 -m pytest tests/engine/test_gpu.py -m gpu -q -s -p no:cacheprovider
+stage 75 gpu_tests.log python3 -m pytest tests/engine/test_gpu.py -m gpu -q -s -p no:cacheprovider
 stage 50 bench_gpu.log python3 scripts/bench_gpu.py --quick --skip-eager --json "$OUT/bench_gpu.json" "$@"
+stage 80 bench_gpu_quant.log python3 scripts/bench_gpu.py --quick --quantization int8,int4,fp8 \
+    --json "$OUT/bench_gpu_quant.json"
 stage 210 bench_gpu_8b.log python3 scripts/bench_gpu.py --workload 8b --json "$OUT/bench_gpu_8b.json" \
     --model-dir /tmp/bench_gpu_8b
 exit $rc

@@ -29,11 +29,14 @@ FP8_MAX = 448.0
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 (N, K) and one scale per output channel (N,).
 
-    On CPU the activations are quantized too, per token and on the fly (W8A8 dynamic, as
+    The activations are quantized too, per token and on the fly (W8A8 dynamic, as
     compressed-tensors' W8A8 checkpoints are meant to run), and the product runs in int8
-    through `torch._int_mm` (oneDNN): 2-8x faster than float32 at 8-64 rows here, where torch's
-    weight-only int8 kernel (`_weight_int8pack_mm`) ran 10-20x slower than float32. Elsewhere
-    the weights are converted on the fly (weight-only)."""
+    through `torch._int_mm`: oneDNN on CPU (2-8x faster than float32 at 8-64 rows here, where
+    torch's weight-only int8 kernel `_weight_int8pack_mm` ran 10-20x slower than float32 with
+    float32 activations), cuBLASLt's int8 GEMM on CUDA (compute capability >= 8.0; it takes more
+    than 16 rows, so fewer are padded with zero rows), whose int32 result is scaled once: no
+    per-forward dequantized copy of the weight. A CUDA layer whose sizes the int8 GEMM does not
+    take (not multiples of 8) or an older card converts the weights on the fly (weight-only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  scale: torch.Tensor | None = None):
@@ -55,10 +58,14 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu":
+        if int_mm_runs(x2.device, *self.qweight.shape):
             x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0  # (M, 1)
             xq = torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8)
-            y = (torch._int_mm(xq, self.qweight.T).float() * (x_scale * self.scale.float())).to(x2.dtype)
+            m = xq.shape[0]
+            if xq.is_cuda and m <= CUDA_INT_MM_MIN_ROWS:  # zero rows up to 24, the next multiple of 8
+                xq = nn.functional.pad(xq, (0, 0, 0, CUDA_INT_MM_MIN_ROWS + 8 - m))
+            y = torch._int_mm(xq, self.qweight.T)[:m]
+            y = (y.float() * (x_scale * self.scale.float())).to(x2.dtype)
         else:  # the portable path: int8 read, converted on the fly, scaled after the product
             y = (x2 @ self.qweight.to(x2.dtype).T) * self.scale.to(x2.dtype)
         if self.bias is not None:
@@ -68,6 +75,29 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight these int8 values and scales stand for, (N, K) float32."""
         return self.qweight.float() * self.scale.float()[:, None]
+
+
+CUDA_INT_MM_MIN_ROWS = 16
+"""cuBLASLt's int8 GEMM (torch._int_mm on CUDA) takes more rows than this."""
+
+
+def int_mm_runs(device: torch.device, out_features: int, in_features: int) -> bool:
+    """Whether torch._int_mm computes an (M, K) x (K, N) int8 product on `device`: always on CPU;
+    on CUDA from compute capability 8.0, with K and N multiples of 8."""
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and out_features % 8 == 0 and in_features % 8 == 0
+            and _capability(device) >= (8, 0))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
 class Fp8Linear(nn.Module):

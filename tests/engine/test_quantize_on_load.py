@@ -119,7 +119,7 @@ PEAK_CHILD = textwrap.dedent("""
     def status():
         f = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
         return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
-    config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2], device="cpu")
+    config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2], device="cpu", tensor_parallel_size=int(sys.argv[4]))
     # a load of a tiny model of the same family first: the imports a load makes (~200 MiB of
     # modules), the kernels' first calls; it leaves a few hundred KiB for the next load to reuse
     warm = LLMEngine(EngineConfig(model=sys.argv[3], quantization=sys.argv[2], device="cpu", max_batch_tokens=64))
@@ -132,22 +132,30 @@ PEAK_CHILD = textwrap.dedent("""
     print("PEAK " + json.dumps({"added": status()["VmHWM"] - before, "weights": runner.weights_nbytes,
                                 "largest": largest, "streamed": runner.streamed,
                                 "reported": runner.load_peak_bytes}))
+    runner.close()
 """)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8"])
+@pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8", "int8 over 2 ranks",
+                                    "compressed-tensors int4 over 2 ranks"])
 def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method, tmp_path):
     """In a fresh process, a tiny model's load first (imports, kernels' first calls); then the
     model's load, its VmHWM rise against the bound. A compressed-tensors W8A8 checkpoint's
-    values load as stored, under the same bound."""
+    values load as stored, under the same bound; so does rank 0 of two, against its own share
+    of the weights (each rank reads its slices and quantizes them as it reads)."""
+    from test_packed_checkpoints import write
     from test_quantization import compressed_checkpoint
 
+    ranks = "2" if method.endswith("over 2 ranks") else "1"
+    method = method.removesuffix(" over 2 ranks")
     path = build(tmp_path / "m", hidden=256, layers=4, vocab=8192, peaked=False)
     warm = build(tmp_path / "warm", peaked=False)
-    if method.startswith("compressed-tensors"):
+    if method == "compressed-tensors int8":
         path, method = tmp_path / "ct", "int8"
         compressed_checkpoint(tmp_path / "m", path)
-    proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path), method, str(warm)], cwd=ROOT,
+    elif method == "compressed-tensors int4":
+        path, method = write("compressed-tensors", tmp_path / "m", tmp_path / "ct4")[0], "int4"
+    proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path), method, str(warm), ranks], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("PEAK ")), None)
     assert line is not None, proc.stderr[-3000:]

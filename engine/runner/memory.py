@@ -20,6 +20,7 @@ from engine.api.errors import PoolSizingError
 from engine.api.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import Sequence
+from engine.sample.prompt_logprobs import collect_tokens
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def profile_pool_blocks(llm) -> int:
     # what this engine holds outside torch's allocator since it started (cuBLAS, NCCL workspaces),
     # and at its peak beyond what this process's tensors held before it loaded
     own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - outside)
-    budget = int(total * util) - (peak - live) - own_outside
+    budget = int(total * util) - (peak - live) - own_outside - prompt_logits_bytes(runner.vocab_size)
     num = budget // per_block if per_block else 0
     if num * bs < llm.max_model_len:
         raise PoolSizingError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "
@@ -147,6 +148,13 @@ def profile_pool_blocks(llm) -> int:
     log.info("KV pool: %d blocks of %d tokens (%.1f GiB) from gpu_memory_utilization=%.2f", num, bs,
              num * per_block / 2**30, llm.config.gpu_memory_utilization)
     return int(num)
+
+
+def prompt_logits_bytes(vocab_size: int) -> int:
+    """What a pass collecting prompt logprobs holds beyond the profile's pass, which keeps one row
+    of logits per prompt: its kept rows of logits (engine.sample.prompt_logprobs bounds them) and
+    their log-softmax, float32. Reserved whether or not a request asks: the pool is sized once."""
+    return 2 * collect_tokens(vocab_size) * vocab_size * 4
 
 
 def kv_bytes_per_token(runner) -> int:

@@ -17,7 +17,7 @@ from engine.api.prompts import per_prompt
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
-from engine.core.sequence import Sequence, Status
+from engine.core.sequence import Sequence, Status, collect_tokens
 from engine.core.stats import StatsCollector
 from engine.models.files import resolve_model_dir
 from engine.lora.router import AdapterRouter
@@ -28,7 +28,7 @@ from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_b
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
 from engine.sample.finish import finish_rows
-from engine.sample.prompt_logprobs import collect_tokens, plan_prompt_logprobs, record_prompt_logprobs
+from engine.sample.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
 from engine.scoring import score_choices

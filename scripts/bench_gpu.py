@@ -219,7 +219,7 @@ def agreement(a, b) -> str:
 
 def main_quantized(args, shape: dict, n: int) -> None:
     """bf16 against each method of --quantization on the 1.2B workload (static engine)."""
-    from engine.quantization.streaming import SafetensorsFiles
+    from engine.quantization import SafetensorsFiles
 
     methods = [m for m in args.quantization.split(",") if m]
     if "fp8" in methods and (DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9)):

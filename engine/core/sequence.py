@@ -11,6 +11,15 @@ from engine.api.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.models.tokenizer import StopStringChecker
 
+LOGITS_BYTES = 256 * 2**20
+"""The logits rows collecting prompt logprobs keep in one pass stay under this size (float32): the
+scheduler's collect_tokens, which the engine sets from the vocabulary."""
+
+
+def collect_tokens(vocab_size: int) -> int:
+    """Prompt tokens whose logits fit LOGITS_BYTES."""
+    return max(1, LOGITS_BYTES // (4 * vocab_size))
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

@@ -19,8 +19,7 @@ import torch
 from engine.api.errors import PoolSizingError
 from engine.api.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledChunk
-from engine.core.sequence import Sequence
-from engine.sample.prompt_logprobs import collect_tokens
+from engine.core.sequence import Sequence, collect_tokens
 
 log = logging.getLogger(__name__)
 

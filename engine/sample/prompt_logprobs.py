@@ -54,14 +54,6 @@ def plan_prompt_logprobs(chunks: list[ScheduledChunk]) -> PromptLogprobPlan | No
     return PromptLogprobPlan(keep, sampling, collect)
 
 
-LOGITS_BYTES = 256 * 2**20
-"""The logits rows collecting prompt logprobs keep in one pass stay under this size (float32): the
-scheduler's collect_tokens, which the engine sets from the vocabulary."""
-
-
-def collect_tokens(vocab_size: int) -> int:
-    """Prompt tokens whose logits fit LOGITS_BYTES."""
-    return max(1, LOGITS_BYTES // (4 * vocab_size))
 
 
 def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> None:

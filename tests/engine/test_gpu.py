@@ -97,7 +97,7 @@ def test_quantized_methods_run_close_to_bfloat16_within_their_load_bound(method,
     tokens are bfloat16's on all rows but at most one, the weights shrink, and what the load added
     to the card at its peak stays within the quantized weights + the largest tensor + 10%."""
     from engine.quantization.methods import Int8Linear, int_mm_runs
-    from engine.quantization.streaming import SafetensorsFiles
+    from engine.quantization import SafetensorsFiles
     from test_quantize_on_load import build
 
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):

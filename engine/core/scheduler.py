@@ -232,6 +232,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.pool.count_lookup(seq.num_tokens, seq.num_computed_tokens)
+            if seq.collects_prompt_logprobs and self.pool.caching:  # it looked none up, but computes them all:
+                names = self._names(seq, seq.num_tokens - 1)  # its sibling samples wait to share them
             for name in names[len(cached):]:
                 self.inflight.setdefault(name, seq)
             seq.status = Status.RUNNING

@@ -72,6 +72,24 @@ def test_zero_gives_the_prompt_token_only_and_the_cache_serves_others(model_dir,
     assert later.num_cached_tokens > 0  # the blocks it computed were named for others
 
 
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_the_sibling_samples_share_the_prompt_the_collecting_sample_computes(model_dir, hf, mode):
+    """Of n samples, the one collecting prompt logprobs computes the whole prompt (it takes no
+    cached block); the others wait for its blocks rather than compute the prompt again (one did)."""
+    llm = LLMEngine(EngineConfig(model=str(model_dir), scheduling=mode, block_size=4))
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=4, prompt_logprobs=1)
+    out = llm.generate([prompt], params)[0]
+    ids = llm.tokenizer.encode(prompt)
+    full = (len(ids) - 1) // 4 * 4  # the prompt's full blocks (its last token is computed again)
+    assert [s.num_cached_tokens for s in out.samples] == [0] + [full] * 3
+    assert llm.batch_stats[-1].cached_prompt_tokens == 3 * full
+    check(out.prompt_logprobs, ids, reference(hf, ids), 1)
+    plain = LLMEngine(EngineConfig(model=str(model_dir), scheduling=mode, block_size=4))
+    want = plain.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=4))[0]
+    assert [s.token_ids for s in out.samples] == [s.token_ids for s in want.samples]
+
+
 def test_preempted_rows_capped_passes_and_n_samples_keep_one_entry_per_token(model_dir, hf):
     # a pool of 12 blocks of 4 tokens: three rows growing to 40 tokens each preempt one another
     llm = LLMEngine(EngineConfig(model=str(model_dir), scheduling="continuous", block_size=4, max_batch_tokens=48,

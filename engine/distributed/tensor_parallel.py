@@ -209,7 +209,7 @@ class ShardedFiles:
         tensor = self.files.get(name)
         module, _, suffix = name.rpartition(".")
         kind = style_of(module, self.styles)
-        if kind == "replicated":
+        if kind == "replicated" or tensor.dim() == 0:
             return tensor
         axes = self.layout(suffix) or PLAIN.get(suffix) or (0, 1, None, 1)
         try:

@@ -20,7 +20,8 @@ for GPTQ's and AWQ's z, and 0 for compressed-tensors.
 8-bit compressed-tensors checkpoints (ScaledFormat) load as stored too: `int-quantized` W8A8 and
 `float-quantized` FP8 keep each layer's `weight` int8 or float8 e4m3 (N, K) with its symmetric
 `weight_scale`, one per output channel (N, 1) or one for the tensor (1,): w = weight * scale.
-Activations are quantized per token on the fly, whatever the checkpoint's input scheme.
+Activations are quantized per token on the fly where the scheme is dynamic; a static one's
+per-tensor `input_scale` (calibrated when the checkpoint was written) quantizes them as stored.
 """
 from __future__ import annotations
 
@@ -101,13 +102,28 @@ class ScaledFormat:
     name: str
     kind: str
     tensors: tuple[str, ...] = ("weight_scale", "weight")
+    static_inputs: bool = False
+    """The activations' scheme is static: each layer's `input_scale` (one for the tensor) is read."""
 
     def owns(self, files, module: str) -> bool:
         return f"{module}.weight_scale" in files
 
     def layout(self, suffix: str):
         """As PackedFormat.layout: values (N, K), a scale per output channel (N, 1) or tensor (1,)."""
-        return {"weight": (0, 1, 1, 1), "weight_scale": (0, 1, None, 1)}.get(suffix)
+        return {"weight": (0, 1, 1, 1), "weight_scale": (0, 1, None, 1), "input_scale": (None, 1, None, 1)}.get(suffix)
+
+    def input_scale(self, files, module: str) -> float | None:
+        """A static scheme's input scale of the layer (None for a dynamic scheme); ValueError naming
+        the tensor when it is missing or not one value."""
+        if not self.static_inputs:
+            return None
+        name = f"{module}.input_scale"
+        if name not in files:
+            raise ValueError(f"{name}: missing from the checkpoint (its activations' scheme is static)")
+        scale = files.get(name)
+        if scale.numel() != 1:
+            raise ValueError(f"{name}: shape {tuple(scale.shape)}, expected one value (a static per-tensor scale)")
+        return float(scale.float().reshape(()))
 
     def read(self, files, module: str, out_features: int, in_features: int):
         """(values (N, K) int8 or float8 e4m3, scale (N,) float32); ValueError naming the tensor
@@ -150,7 +166,14 @@ def stored_format(qc: dict) -> PackedFormat | ScaledFormat:
                 if w.get("strategy") not in ("channel", "tensor", None):
                     raise ValueError(f"compressed-tensors {kind} checkpoint with {w.get('strategy')} weight scales: "
                                      "only channel and tensor scales run")
-            return ScaledFormat(f"compressed-tensors {kind}", kind)
+            inputs = [g.get("input_activations") or {} for g in (qc.get("config_groups") or {}).values()]
+            static = [a for a in inputs if a and not a.get("dynamic", True)]
+            for a in static:
+                if a.get("strategy") not in ("tensor", None) or not a.get("symmetric", True):
+                    raise ValueError(f"compressed-tensors {kind} checkpoint with static {a.get('strategy')} "
+                                     f"{'' if a.get('symmetric', True) else 'asymmetric '}input scales: only static "
+                                     "symmetric tensor scales (or dynamic ones) run")
+            return ScaledFormat(f"compressed-tensors {kind}", kind, static_inputs=bool(static))
     return packed_format(qc)
 
 

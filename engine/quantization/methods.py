@@ -39,9 +39,11 @@ class Int8Linear(nn.Module):
     take (not multiples of 8) or an older card converts the weights on the fly (weight-only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 scale: torch.Tensor | None = None):
-        """`weight` in float, quantized here; or, with `scale` (N,), int8 values as a checkpoint stores them."""
+                 scale: torch.Tensor | None = None, input_scale: float | None = None):
+        """`weight` in float, quantized here; or, with `scale` (N,), int8 values as a checkpoint stores them.
+        `input_scale`: a static scheme's one scale for the activations (None: per token, at run time)."""
         super().__init__()
+        self.register_buffer("input_scale", None if input_scale is None else torch.tensor([[input_scale]]))
         w = weight.detach()
         if scale is not None:
             qweight, scale = w.to(torch.int8).contiguous(), scale.detach().float()
@@ -59,7 +61,8 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if int_mm_runs(x2.device, *self.qweight.shape):
-            x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0  # (M, 1)
+            x_scale = (x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0  # (M, 1)
+                       if self.input_scale is None else self.input_scale)
             xq = torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8)
             m = xq.shape[0]
             if xq.is_cuda and m <= CUDA_INT_MM_MIN_ROWS:  # zero rows up to 24, the next multiple of 8
@@ -104,9 +107,11 @@ class Fp8Linear(nn.Module):
     """y = x W^T + b with W in float8 e4m3 and per-channel scales; x gets per-token scales."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 scale: torch.Tensor | None = None):
-        """`weight` in float, quantized here; or, with `scale` (N,), float8 values as a checkpoint stores them."""
+                 scale: torch.Tensor | None = None, input_scale: float | None = None):
+        """`weight` in float, quantized here; or, with `scale` (N,), float8 values as a checkpoint stores them.
+        `input_scale`: a static scheme's one scale for the activations (None: per token, at run time)."""
         super().__init__()
+        self.register_buffer("input_scale", None if input_scale is None else torch.tensor([[input_scale]]))
         if scale is not None:
             self.register_buffer("qweight", weight.detach().to(torch.float8_e4m3fn).contiguous())
             scale = scale.detach().float()
@@ -123,8 +128,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
-        xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+        if self.input_scale is None:
+            x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
+        else:  # row-wise as the weight's scales are (the kernels take both alike)
+            x_scale = self.input_scale.expand(x2.shape[0], 1).contiguous()
+        xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         # Row-wise scales give a bfloat16 product only (torch's CUDA kernels below compute capability
         # 9.0 or cuBLAS 12.9, and CUTLASS's); a float16 or float32 model casts it.
         y = torch._scaled_mm(xq, self.qweight.T, scale_a=x_scale, scale_b=self.scale, out_dtype=torch.bfloat16,

@@ -182,15 +182,19 @@ def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtyp
     into the int8 or fp8 kernels (an fp8 one running `method` int8 requantized, this layer alone);
     a 4-bit one in the int4 kernels' layout, or, a shape they do not take, in `dtype`."""
     from engine.quantization.int4 import Int4Linear, int4_supported
-    from engine.quantization.methods import Fp8Linear, Int8Linear
+    from engine.quantization.methods import FP8_MAX, Fp8Linear, Int8Linear
 
     n, k = child.out_features, child.in_features
     bias = files.get(f"{name}.bias") if f"{name}.bias" in files else None
     if not isinstance(packed, PackedFormat):  # an 8-bit ScaledFormat
         values, scale = packed.read(files, name, n, k)
+        inputs = packed.input_scale(files, name)
         if packed.kind == method:
-            return (Int8Linear if method == "int8" else Fp8Linear)(values, bias, dtype, scale=scale).to(device)
-        return Int8Linear(values.float() * scale[:, None], bias, dtype).to(device)
+            return (Int8Linear if method == "int8" else Fp8Linear)(values, bias, dtype, scale=scale,
+                                                                   input_scale=inputs).to(device)
+        if inputs is not None:  # an fp8 range's scale as int8's: x / s within +-448 is x / s' within +-127
+            inputs *= FP8_MAX / 127.0
+        return Int8Linear(values.float() * scale[:, None], bias, dtype, input_scale=inputs).to(device)
     q, scale, zero = packed.read(files, name, n, k)
     if int4_supported(n, k, device, packed.group_size):
         return Int4Linear(q, scale, zero, bias, dtype, device, packed.group_size)

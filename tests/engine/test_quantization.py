@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.quantization.methods import Int8Linear
+from engine.quantization.methods import FP8_MAX, Int8Linear
 from test_parity import PROMPTS
 from tiny_models import build_tiny_model
 
@@ -145,10 +145,11 @@ def test_an_fp8_kv_pool_off_cuda_is_a_one_line_error_naming_the_device():
     assert "\n" not in str(err.value)
 
 
-def compressed_checkpoint(src, out, kind: str = "int8"):
+def compressed_checkpoint(src, out, kind: str = "int8", input_scales: dict[str, float] | None = None):
     """A compressed-tensors checkpoint of the model in `src`: W8A8 int8 (`int-quantized`) or FP8
-    (`float-quantized`) weights with one scale per output channel, dynamic per-token activations,
-    the LM head left as it is. Returns its tensors."""
+    (`float-quantized`) weights with one scale per output channel, dynamic per-token activations
+    (with `input_scales`, {layer: scale}: a static scheme's per-tensor scales), the LM head left
+    as it is. Returns its tensors."""
     import json
     import shutil
 
@@ -163,6 +164,8 @@ def compressed_checkpoint(src, out, kind: str = "int8"):
             scaled = value / scale
             packed[key] = (torch.round(scaled).clamp(-127, 127) if kind == "int8" else scaled).to(dtype)
             packed[key[: -len("weight")] + "weight_scale"] = scale
+            if input_scales is not None:
+                packed[key[: -len("weight")] + "input_scale"] = torch.tensor([input_scales[key[: -len(".weight")]]])
         else:
             packed[key] = value
     save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
@@ -172,7 +175,8 @@ def compressed_checkpoint(src, out, kind: str = "int8"):
         "quant_method": "compressed-tensors", "format": f"{'int' if kind == 'int8' else 'float'}-quantized",
         "quantization_status": "compressed", "ignore": ["lm_head"], "config_groups": {"group_0": {
             "targets": ["Linear"], "weights": {**scheme, "strategy": "channel", "dynamic": False},
-            "input_activations": {**scheme, "strategy": "token", "dynamic": True}}}}
+            "input_activations": {**scheme, "strategy": "token", "dynamic": True} if input_scales is None
+            else {**scheme, "strategy": "tensor", "dynamic": False}}}}
     (out / "config.json").write_text(json.dumps(config))
     return packed
 
@@ -212,6 +216,58 @@ def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked,
     with pytest.raises(ValueError, match="quantization int4 asked for, but the checkpoint is quantized with "
                                          f"compressed-tensors {kind}"):
         LLMEngine(EngineConfig(model=str(tmp_path / "w8"), quantization="int4"))
+
+
+def calibrated_input_scales(src, top: float) -> dict[str, float]:
+    """Each linear layer's (but the head's) largest |input| over PROMPTS through the float model,
+    over `top`: the per-tensor scales a static scheme's calibration writes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    seen: dict[str, float] = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(
+        name, max(seen.get(name, 0.0), float(args[0].abs().max()))))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            model(torch.tensor([tok.encode(prompt)]))
+    for h in hooks:
+        h.remove()
+    return {name: v / top for name, v in seen.items()}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_static_schemes_input_scales_quantize_the_activations_as_stored(peaked, tmp_path, kind):
+    """A static activation scheme's per-tensor input_scale is read and used (on CPU an fp8 one is
+    rescaled to int8's range): each product is the static scheme's, by hand, and the greedy
+    tokens agree with the same weights under per-token scales."""
+    import json
+
+    from engine.api.errors import ModelLoadError
+
+    src = peaked("llama")
+    scales = calibrated_input_scales(src, 127.0 if kind == "int8" else FP8_MAX)
+    packed = compressed_checkpoint(src, tmp_path / "static", kind, input_scales=scales)
+    llm = LLMEngine(EngineConfig(model=str(tmp_path / "static")))
+    name = "model.layers.0.self_attn.q_proj"
+    layer = llm.runner.model.get_submodule(name)
+    want = scales[name] * (1.0 if kind == "int8" else FP8_MAX / 127.0)
+    assert float(layer.input_scale) == pytest.approx(want, rel=1e-6)
+    x = torch.randn(5, layer.in_features) * 3 * float(packed[f"{name}.input_scale"]) * 127
+    by_hand = (torch.round(x / want).clamp(-127, 127) @ layer.qweight.float().T) * (want * layer.scale.float())
+    assert torch.allclose(layer(x), by_hand, atol=1e-4 * float(by_hand.abs().max()))
+    compressed_checkpoint(src, tmp_path / "dynamic", kind)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = llm.generate(PROMPTS, params)
+    ref = LLMEngine(EngineConfig(model=str(tmp_path / "dynamic"))).generate(PROMPTS, params)
+    assert sum(a.token_ids == b.token_ids for a, b in zip(got, ref)) >= 0.9 * len(PROMPTS)
+    config = json.loads((tmp_path / "static" / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"]["strategy"] = "token"
+    (tmp_path / "static" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"static token input scales: only static symmetric tensor scales"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "static")))
 
 
 def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one_line(tiny_model_dir, tmp_path):

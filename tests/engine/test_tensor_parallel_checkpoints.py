@@ -13,7 +13,7 @@ from engine.quantization import Int4Linear
 from engine.quantization.methods import Int8Linear
 from test_packed_checkpoints import write
 from test_parity import PROMPTS
-from test_quantization import compressed_checkpoint
+from test_quantization import calibrated_input_scales, compressed_checkpoint
 from test_quantize_on_load import build
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
@@ -28,19 +28,20 @@ def source(tmp_path_factory):
 def checkpoint(kind: str, source, out):
     if kind in ("gptq", "awq", "compressed-tensors"):
         return write(kind, source, out)[0]
-    if kind == "w8a8":
-        compressed_checkpoint(source, out, "int8")
+    if kind.startswith("w8a8"):
+        static = calibrated_input_scales(source, 127.0) if kind == "w8a8 static" else None
+        compressed_checkpoint(source, out, "int8", input_scales=static)
         return out
     return source  # quantized while loading
 
 
 @pytest.mark.parametrize("kind, method", [("gptq", None), ("awq", None), ("compressed-tensors", None),
-                                          ("w8a8", None), ("int4 on load", "int4")])
+                                          ("w8a8", None), ("w8a8 static", None), ("int4 on load", "int4")])
 def test_a_quantized_model_runs_over_two_ranks_as_in_one_process(kind, method, source, tmp_path):
     path = checkpoint(kind, source, tmp_path / "ckpt")
     one = LLMEngine(EngineConfig(model=str(path), quantization=method, max_batch_tokens=1024))
     want = one.generate(PROMPTS, PARAMS)
-    layer = Int8Linear if kind == "w8a8" else Int4Linear
+    layer = Int8Linear if kind.startswith("w8a8") else Int4Linear
     with LLMEngine(EngineConfig(model=str(path), quantization=method, max_batch_tokens=1024,
                                 tensor_parallel_size=2)) as two:
         assert two.runner.streamed and two.memory["quantization"] == one.memory["quantization"]
@@ -52,7 +53,7 @@ def test_a_quantized_model_runs_over_two_ranks_as_in_one_process(kind, method, s
     # int4 shards hold one process's groups exactly (only the all-reduce's order of sums differs);
     # W8A8 quantizes each rank's activations over its own inputs: scales of its own
     assert agree >= (len(PROMPTS) if kind != "w8a8" else len(PROMPTS) - 1), f"{kind}: {agree} of {len(PROMPTS)}"
-    if kind != "w8a8":
+    if kind != "w8a8":  # (static scales: every rank quantizes with the same one, as one process does)
         for a, b in zip(want, outs):
             assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 1e-2, kind
 

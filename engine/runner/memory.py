@@ -67,7 +67,9 @@ def used_before_load(device: torch.device) -> tuple[int, int]:
 class LoadPeak:
     """The memory a model's load adds at its peak: on CUDA, the allocator's peak over what it held
     before; elsewhere, the process's resident high-water mark (VmHWM) over its resident memory
-    before (0 where /proc is not there). A context manager; `bytes` once it exits."""
+    before (0 where /proc is not there), the mark reset first (/proc/self/clear_refs) so that an
+    earlier peak of the process (an engine since dropped, a warm-up) does not count. A context
+    manager; `bytes` once it exits."""
 
     def __init__(self, device: torch.device):
         self.device, self.bytes = device, 0
@@ -77,6 +79,11 @@ class LoadPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
         else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+            except OSError:
+                pass
             self._before = _proc_status("VmRSS")
         return self
 

@@ -137,7 +137,7 @@ PEAK_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8", "int8 over 2 ranks",
-                                    "compressed-tensors int4 over 2 ranks"])
+                                    pytest.param("compressed-tensors int4 over 2 ranks", marks=pytest.mark.slow)])
 def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method, tmp_path):
     """In a fresh process, a tiny model's load first (imports, kernels' first calls); then the
     model's load, its VmHWM rise against the bound. A compressed-tensors W8A8 checkpoint's

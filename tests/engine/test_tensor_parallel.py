@@ -122,7 +122,8 @@ def one_kv_head(arch: str, out, kv: int = 1, heads: int = 4):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                  pytest.param("phi3", marks=pytest.mark.slow)])
 def test_fewer_kv_heads_than_ranks_are_replicated(arch, tmp_path):
     """One KV head over two ranks: each rank keeps it (its query heads all use it), so the tokens
     and logprobs are one process's. Qwen2's K and V biases and Phi-3's fused qkv_proj are cut the

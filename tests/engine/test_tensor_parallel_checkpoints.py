@@ -35,8 +35,13 @@ def checkpoint(kind: str, source, out):
     return source  # quantized while loading
 
 
-@pytest.mark.parametrize("kind, method", [("gptq", None), ("awq", None), ("compressed-tensors", None),
-                                          ("w8a8", None), ("w8a8 static", None), ("int4 on load", "int4")])
+SLOW = pytest.mark.slow  # (two ranks start per case: the fast part keeps one 4-bit and one 8-bit format)
+
+
+@pytest.mark.parametrize("kind, method", [("gptq", None), pytest.param("awq", None, marks=SLOW),
+                                          pytest.param("compressed-tensors", None, marks=SLOW),
+                                          pytest.param("w8a8", None, marks=SLOW), ("w8a8 static", None),
+                                          pytest.param("int4 on load", "int4", marks=SLOW)])
 def test_a_quantized_model_runs_over_two_ranks_as_in_one_process(kind, method, source, tmp_path):
     path = checkpoint(kind, source, tmp_path / "ckpt")
     one = LLMEngine(EngineConfig(model=str(path), quantization=method, max_batch_tokens=1024))

@@ -16,9 +16,9 @@ N (the modeling code then allocates shards of the right shape), and reads only i
 from the safetensors files (`safe_open(...).get_slice`). A quantized model's ranks read their
 slices through ShardedFiles instead, tensor by tensor as the streaming loader asks for them
 (engine.quantization.streaming): packed values, scales and zero points are cut along the axes
-and packing their format's `layout` names, on group boundaries. The embedding is replicated (a lookup
-of one row per token); the LM head is kept whole on rank 0 alone, which samples: no gather of
-logits, and the other ranks skip its matmul.
+and packing their format's `layout` names, on group boundaries. The embedding is replicated (a
+lookup of one row per token); the LM head is kept whole on rank 0 alone, which samples: no
+gather of logits, and the other ranks skip its matmul.
 """
 from __future__ import annotations
 

@@ -19,10 +19,7 @@ from engine.api.outputs import ChoiceScores
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import chain_hashes
 from engine.core.scheduler import ScheduledChunk
-from engine.core.sequence import Sequence
-
-LOGITS_BYTES = 256 * 2**20
-"""Pass 2 runs in chunks of choice tokens whose float32 logits stay under this size."""
+from engine.core.sequence import LOGITS_BYTES, Sequence  # pass 2 runs in chunks of choice tokens under it
 
 
 def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:

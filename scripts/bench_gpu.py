@@ -243,7 +243,8 @@ def main_quantized(args, shape: dict, n: int) -> None:
                   f"{mem['weights_bytes'] / 2**20:,.1f} MiB, load peak {mem['load_peak_bytes'] / 2**20:,.1f} MiB "
                   f"(bound {bound / 2**20:,.1f})", flush=True)
             del llm
-            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
             if args.json:
                 Path(args.json).write_text(json.dumps({"generated_tokens": generated, "requests": len(prompts),
                                                        "systems": [{k: v for k, v in r.items() if k != "tokens"}

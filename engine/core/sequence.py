@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from engine.models.tokenizer import StopStringChecker
 
 LOGITS_BYTES = 256 * 2**20
-"""The logits rows collecting prompt logprobs keep in one pass stay under this size (float32): the
-scheduler's collect_tokens, which the engine sets from the vocabulary."""
+"""The float32 logits rows a pass keeps beyond each row's last stay under this size: those of rows
+collecting prompt logprobs (the scheduler's collect_tokens, which the engine sets from the
+vocabulary) and score_choices' chunks of choice tokens (engine.scoring)."""
 
 
 def collect_tokens(vocab_size: int) -> int:

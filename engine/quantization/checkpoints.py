@@ -146,16 +146,17 @@ class ScaledFormat:
         return values, scale.float().contiguous()
 
 
-def weight_schemes(qc: dict) -> list[dict]:
-    """A compressed-tensors quantization_config's weight schemes, one per config group."""
-    return [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+def schemes(qc: dict, part: str = "weights") -> list[dict]:
+    """A compressed-tensors quantization_config's schemes of `part` (weights, input_activations),
+    one per config group ({} where a group has none)."""
+    return [g.get(part) or {} for g in (qc.get("config_groups") or {}).values()]
 
 
 def stored_format(qc: dict) -> PackedFormat | ScaledFormat:
     """How a quantized checkpoint's layers load as stored: 4-bit ones repacked (packed_format),
     8-bit compressed-tensors ones as they are. ValueError in one line for what cannot run."""
     if qc.get("quant_method") == "compressed-tensors":
-        weights = weight_schemes(qc)
+        weights = schemes(qc)
         kinds = {(w.get("type"), w.get("num_bits")) for w in weights}
         if kinds in ({("int", 8)}, {("float", 8)}):
             kind = "int8" if kinds == {("int", 8)} else "fp8"
@@ -166,8 +167,7 @@ def stored_format(qc: dict) -> PackedFormat | ScaledFormat:
                 if w.get("strategy") not in ("channel", "tensor", None):
                     raise ValueError(f"compressed-tensors {kind} checkpoint with {w.get('strategy')} weight scales: "
                                      "only channel and tensor scales run")
-            inputs = [g.get("input_activations") or {} for g in (qc.get("config_groups") or {}).values()]
-            static = [a for a in inputs if a and not a.get("dynamic", True)]
+            static = [a for a in schemes(qc, "input_activations") if a and not a.get("dynamic", True)]
             for a in static:
                 if a.get("strategy") not in ("tensor", None) or not a.get("symmetric", True):
                     raise ValueError(f"compressed-tensors {kind} checkpoint with static {a.get('strategy')} "
@@ -216,7 +216,7 @@ def packed_format(qc: dict) -> PackedFormat:
         return PackedFormat("awq", int(qc.get("group_size", qc.get("q_group_size")) or 128),
                             ("qweight", "qzeros", "scales"))
     if method == "compressed-tensors":
-        weights = weight_schemes(qc)
+        weights = schemes(qc)
         w = weights[0] if weights else {}
         if qc.get("format") != "pack-quantized" or w.get("num_bits") != 4 or w.get("type") != "int":
             raise ValueError("compressed-tensors checkpoint: of 4-bit weights only pack-quantized int4 runs")

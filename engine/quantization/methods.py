@@ -153,9 +153,9 @@ def checkpoint_method(hf_config) -> tuple[str | None, str | None]:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     name = qc.get("quant_method", "unknown")
     if name == "compressed-tensors":
-        from engine.quantization.checkpoints import stored_format, weight_schemes
+        from engine.quantization.checkpoints import schemes, stored_format
 
-        kinds = {(w.get("type"), w.get("num_bits")) for w in weight_schemes(qc)}
+        kinds = {(w.get("type"), w.get("num_bits")) for w in schemes(qc)}
         if kinds in ({("int", 8)}, {("float", 8)}):
 
             fmt = stored_format(qc)  # a one-line ValueError for a scheme that cannot run

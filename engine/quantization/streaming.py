@@ -237,16 +237,18 @@ def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtyp
 
 def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
                    attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0, packed=None,
-                   files=None, adapt=None):
+                   wrap=None, adapt=None):
     """The model of class `cls`, its linear layers quantized with `method` as they are read;
     (model, what its weights would hold unquantized in `dtype`), or None where the checkpoint's
-    tensor names are not the model's own (the caller loads it whole). `files`: the tensors to
-    read (a tensor-parallel rank's slices), else the model_dir's safetensors files; `adapt(model)`
-    changes the model built on meta before it is filled (a rank without the LM head)."""
+    tensor names are not the model's own (the caller loads it whole). `wrap(files)`: the tensors
+    to read instead of the model_dir's safetensors files (a tensor-parallel rank's slices of them);
+    `adapt(model)` changes the model built on meta before it is filled (a rank without the LM head)."""
     try:
-        files = SafetensorsFiles(model_dir) if files is None else files
+        files = SafetensorsFiles(model_dir)
     except FileNotFoundError:
         return None
+    if wrap is not None:
+        files = wrap(files)
     model = build_on_meta(cls, hf_config, dtype, attn_implementation, trust_remote_code)
     if adapt is not None:
         adapt(model)

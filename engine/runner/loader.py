@@ -101,15 +101,18 @@ def prepare_load(config: EngineConfig, model_dir: Path) -> str:
 
 
 def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, method: str, head: str = "causal",
-                         extra_bytes=lambda model: 0, packed=None):
+                         extra_bytes=lambda model: 0, packed=None, shard: tuple | None = None):
     """The model with its linear layers quantized with `method` as each is read (nothing of it in
     full precision at once): (model, its weights' bytes unquantized), or None where that cannot
     be (the checkpoint's tensors are named otherwise, engine.extra keys for from_pretrained are
     set): load_model, then quantize. `extra_bytes(model)`: what the unquantized model (its
     parameters on the meta device) would add beyond its parameters. `packed`: the format
-    (engine.quantization.checkpoints) of a quantized checkpoint whose layers load as stored."""
+    (engine.quantization.checkpoints) of a quantized checkpoint whose layers load as stored.
+    `shard` (styles, sections, rank, n): a tensor-parallel rank's shard instead, each tensor cut
+    to the rank's slice as it is read (a rank but 0 without the LM head)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from engine.distributed.tensor_parallel import NoHead, ShardedFiles, rank_config
     from engine.quantization.checkpoints import PackedFormat
     from engine.quantization.streaming import load_quantized
 
@@ -117,40 +120,24 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
     if set(config.extra) - {"attn_implementation"} and not isinstance(packed, PackedFormat):
         return None
     cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
+    hf_config, wrap, adapt, where = read_config(config, model_dir), None, None, ""
+    if shard is not None:
+        styles, sections, rank, n = shard
+        layout = None if packed is None else packed.layout
+        vocab = hf_config.vocab_size
+
+        def wrap(files):
+            return ShardedFiles(files, styles, sections, rank, n, layout)
+
+        def adapt(model):
+            if rank:  # rank 0 computes the logits
+                model.set_output_embeddings(NoHead(vocab))
+        hf_config, where = rank_config(hf_config, n), f" on rank {rank} of {n}"
     try:
-        return load_quantized(cls, read_config(config, model_dir), model_dir, method, dtype, device, attn,
-                              config.trust_remote_code, extra_bytes, packed)
+        return load_quantized(cls, hf_config, model_dir, method, dtype, device, attn, config.trust_remote_code,
+                              extra_bytes, packed, wrap=wrap, adapt=adapt)
     except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method}: {one_line(exc)}") from exc
-
-
-def load_shard_quantized(config: EngineConfig, model_dir: Path, hf_config, dtype, device, method: str, shard: tuple,
-                         extra_bytes=lambda model: 0, packed=None):
-    """A tensor-parallel rank's shard (`shard`: styles, sections, rank, n) quantized with `method`
-    as load_model_quantized quantizes a whole model: each tensor read, cut to the rank's slice and
-    its layer quantized (or, from a quantized checkpoint, repacked) before the next. None where
-    the checkpoint's tensor names are not the model's own."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.distributed.tensor_parallel import NoHead, ShardedFiles, rank_config
-    from engine.quantization.streaming import SafetensorsFiles, load_quantized
-
-    styles, sections, rank, n = shard
-    attn = prepare_load(config, model_dir)
-    try:
-        files = ShardedFiles(SafetensorsFiles(model_dir), styles, sections, rank, n,
-                             None if packed is None else packed.layout)
-    except FileNotFoundError:
-        return None
-
-    def without_head(model):
-        if rank:  # rank 0 computes the logits
-            model.set_output_embeddings(NoHead(hf_config.vocab_size))
-    try:
-        return load_quantized(AutoModelForCausalLM, rank_config(hf_config, n), model_dir, method, dtype, device,
-                              attn, config.trust_remote_code, extra_bytes, packed, files=files, adapt=without_head)
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method} on rank {rank} of {n}: "
+        raise ModelLoadError(f"cannot load model from {model_dir} quantized with {method}{where}: "
                              f"{one_line(exc)}") from exc
 
 

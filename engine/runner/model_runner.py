@@ -21,8 +21,8 @@ from engine.quantization.methods import check_method, checkpoint_method, quantiz
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.loader import (check_architecture, load_model, load_model_quantized, load_shard_quantized,
-                                  model_head, pack_lm_head, packs_head, prepare_load)
+from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
+                                  packs_head, prepare_load)
 from engine.runner.memory import LoadPeak, used_before_load
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
@@ -126,8 +126,8 @@ class ModelRunner:
                                          rank_main)
         try:
             model = self._streamed_or_whole(
-                lambda: load_shard_quantized(config, self.model_dir, hf_config, self.dtype, self.device,
-                                             self.quantization, self.shard, self._packed_head_extra, packed),
+                lambda: load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
+                                             self.head, self._packed_head_extra, packed, self.shard),
                 lambda: tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
                                                    self.device, self.rank, n, config.trust_remote_code),
                 checkpoint, must_stream=packed is not None)  # (sliced as plain tensors otherwise)

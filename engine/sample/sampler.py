@@ -159,26 +159,30 @@ def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-ARGMAX_CHUNKS = 64
+ARGMAX_WIDTH = 256
+"""Columns per chunk of the two-pass argmax. Measured on one CPU thread at 256 rows, it is the
+fastest chunk width from 16k to 152k columns: 1.5 ms at 32k columns, against 2.4 ms with 64
+chunks of 500, and 10 ms for `x.argmax(-1)`."""
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x (B, V) -> (B,) the first index of each row's maximum, as `x.argmax(-1)`, in two cheap
-    passes: the maximum of each of 64 column chunks (a plain reduction, ~10x faster than argmax
-    on CPU at 16k-128k columns), then argmax inside each row's first best chunk only."""
+    passes. First it takes the maximum of each 256-column chunk: a plain contiguous reduction,
+    about 7x faster than argmax on CPU. Then it finds the maximum inside each row's first best
+    chunk. `max(dim)` gives the first index of a maximum, as argmax does, and on CPU it is 2-3x
+    faster than argmax."""
     b, v = x.shape
-    width = v // ARGMAX_CHUNKS
-    if width < 256 or x.stride(-1) != 1:
+    chunks = v // ARGMAX_WIDTH
+    if chunks < 4 or x.stride(-1) != 1:
         return x.argmax(dim=-1)
-    split = ARGMAX_CHUNKS * width
-    main = x[:, :split].view(b, ARGMAX_CHUNKS, width)
-    chunk_max = main.amax(dim=-1)  # (B, C)
-    chunk = chunk_max.argmax(dim=-1)  # (B,) first chunk holding the maximum
+    split = chunks * ARGMAX_WIDTH
+    main = x[:, :split].view(b, chunks, ARGMAX_WIDTH)
+    best, chunk = main.amax(dim=-1).max(dim=-1)  # (B,) each row's maximum and its first chunk
     rows = torch.arange(b, device=x.device)
-    index = chunk * width + main[rows, chunk].argmax(dim=-1)
+    index = chunk * ARGMAX_WIDTH + main[rows, chunk].max(dim=-1).indices
     if split < v:  # the last columns: they win only when strictly larger (first index on ties)
         tail_max, tail_index = x[:, split:].max(dim=-1)
-        index = torch.where(tail_max > chunk_max[rows, chunk], split + tail_index, index)
+        index = torch.where(tail_max > best, split + tail_index, index)
     return index
 
 

@@ -169,7 +169,7 @@ def test_two_pass_argmax_equals_argmax_with_ties_and_a_tail():
     from engine.sample.sampler import argmax
 
     g = torch.Generator().manual_seed(0)
-    for v in (100, 16384, 16384 + 37, 128256):
+    for v in (100, 1000, 1024 + 37, 16384, 16384 + 37, 128256):
         x = torch.randn(9, v, generator=g)
         x[1, :] = 0.0  # all tied: the first index
         x[2, [5, v - 1]] = 50.0  # a tie between the first chunk and the tail

@@ -5,8 +5,7 @@ weight is read where the checkpoint allows (engine.quantization.streaming), else
 
 Every linear layer of the decoder is replaced after loading; the embedding stays in the
 model's dtype (a lookup reads one row per token, so it costs no bandwidth worth saving). The
-LM head is quantized too with int8: it is the largest matrix a decode step reads (on CPU its
-float32 copy would otherwise be prepacked, a second copy of 4 bytes a weight), and its logits
+LM head is quantized too with int8: it is the largest matrix a decode step reads, and its logits
 stay within the tolerance the tests hold; int4 and fp8 keep the head in the model's dtype. MoE
 routers stay in the model's dtype (a flipped expert choice changes more than a rounding).
 """
@@ -255,13 +254,12 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
 
 def weights_nbytes(model: nn.Module) -> int:
     """Bytes the model's weights hold: parameters and buffers (int8 values and scales too),
-    shared tensors once, plus a CPU-prepacked head's own copy."""
+    shared tensors once."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if not t.is_mkldnn:  # a packed tensor has no data pointer, and is never shared
-            key = (t.data_ptr(), t.numel())
-            if key in seen:
-                continue
-            seen.add(key)
+        key = (t.data_ptr(), t.numel())
+        if key in seen:
+            continue
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total

@@ -236,8 +236,7 @@ def _repacked(packed, files: SafetensorsFiles, name: str, child: nn.Module, dtyp
 
 
 def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
-                   attn_implementation: str, trust_remote_code: bool, extra_bytes=lambda model: 0, packed=None,
-                   wrap=None, adapt=None):
+                   attn_implementation: str, trust_remote_code: bool, packed=None, wrap=None, adapt=None):
     """The model of class `cls`, its linear layers quantized with `method` as they are read;
     (model, what its weights would hold unquantized in `dtype`), or None where the checkpoint's
     tensor names are not the model's own (the caller loads it whole). `wrap(files)`: the tensors
@@ -267,7 +266,7 @@ def load_quantized(cls, hf_config, model_dir: Path, method: str, dtype: torch.dt
         log.info("%s: the checkpoint's tensor names are not the model's (no %s): loading it whole, then quantizing",
                  model_dir, missing)
         return None
-    unquantized = extra_bytes(model) + sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+    unquantized = sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
                                            for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())  # as weights_nbytes counts them
     stream_weights(model, files, device, dtype, method, tied, packed)

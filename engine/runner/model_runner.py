@@ -22,7 +22,7 @@ from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
-                                  packs_head, prepare_load)
+                                  prepare_load)
 from engine.runner.memory import LoadPeak, used_before_load
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
@@ -90,7 +90,7 @@ class ModelRunner:
         pack_lm_head(self.model, self.device, self.dtype)
         self.longrope = rowwise_longrope(self.model)
         self.weights_nbytes = weights_nbytes(self.model)
-        """Bytes of the model's weights as held (quantized values, scales, a prepacked head's copy)."""
+        """Bytes of the model's weights as held (quantized values and scales; tied ones once)."""
         self.unquantized_nbytes: int = getattr(self, "unquantized_nbytes", self.weights_nbytes)
         """What the weights would hold unquantized, in the model's dtype (set by _quantize): the
         difference is what quantizing saved."""
@@ -127,7 +127,7 @@ class ModelRunner:
         try:
             model = self._streamed_or_whole(
                 lambda: load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
-                                             self.head, self._packed_head_extra, packed, self.shard),
+                                             self.head, packed, self.shard),
                 lambda: tensor_parallel.load_shard(self.model_dir, hf_config, attention.register(), self.dtype,
                                                    self.device, self.rank, n, config.trust_remote_code),
                 checkpoint, must_stream=packed is not None)  # (sliced as plain tensors otherwise)
@@ -153,7 +153,7 @@ class ModelRunner:
             return
         self.model = self._streamed_or_whole(
             lambda: load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
-                                         self.head, self._packed_head_extra, packed),
+                                         self.head, packed),
             lambda: load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head),
             checkpoint, must_stream=isinstance(packed, PackedFormat))  # 4-bit layers: nothing else reads them
 
@@ -178,23 +178,11 @@ class ModelRunner:
 
     def _quantize(self, model) -> None:
         """Quantizes the linear layers when the engine runs quantized; first notes what the
-        weights hold unquantized (a CPU float32 run prepacks the head: a copy more when the head
-        is tied to the input embedding, and a bias where it had none)."""
+        weights hold unquantized."""
         if self.quantization is None:
             return
-        self.unquantized_nbytes = weights_nbytes(model) + self._packed_head_extra(model)
+        self.unquantized_nbytes = weights_nbytes(model)
         quantize_model(model, self.quantization, self.dtype)
-
-    def _packed_head_extra(self, model) -> int:
-        """Bytes a CPU float32 run's prepacked head would add unquantized: a copy when the head is
-        tied to the input embedding, and the zero bias packing adds where it had none."""
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        # (a tensor-parallel rank other than 0 has no head: rank 0 computes the logits)
-        if not packs_head(head, self.device, self.dtype):
-            return 0
-        tied = embedding is not None and (head.weight is embedding.weight or (
-            not head.weight.is_meta and head.weight.data_ptr() == embedding.weight.data_ptr()))
-        return (head.weight.numel() * 4 if tied else 0) + (head.out_features * 4 if head.bias is None else 0)
 
     def release_cached_memory(self) -> None:
         """Gives the blocks torch's CUDA allocator caches back to the card (after an out-of-memory

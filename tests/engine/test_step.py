@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.api.config import SCHEDULING_MODES
 from engine.models.tokenizer import StopStringChecker
+from lora_models import greedy
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
 """Ops that read a device value on the host (item(), bool(), int(), if tensor: ...)."""
@@ -263,9 +264,27 @@ def test_the_engine_reports_its_pool_and_weights():
     assert before["kv_bytes"] == llm.cache.nbytes() * llm.cache.num_blocks // llm.cache.physical_blocks
     assert before["kv_blocks"] == 125 and before["kv_tokens"] == 1000 and before["block_size"] == 8
     model = llm.runner.model
-    tensors = list(model.parameters()) + list(model.buffers())  # the prepacked head is a (mkldnn) buffer
-    assert before["weights_bytes"] == sum(t.numel() * t.element_size() for t in tensors)
-    assert any(t.is_mkldnn for t in tensors)
+    tensors = {t.data_ptr(): t for t in list(model.parameters()) + list(model.buffers())}  # a tied head once
+    assert before["weights_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    head = model.get_output_embeddings()
+    assert type(head).__name__ == "OneDnnLinear"  # a CPU float32 head runs through oneDNN, on its own weight
+    if model.config.tie_word_embeddings:
+        assert head.weight is model.get_input_embeddings().weight
+
+
+def test_a_tied_cpu_head_runs_on_the_embeddings_own_weight_with_transformers_tokens(tiny_model_dir, reference_model):
+    """A CPU float32 head runs through oneDNN on the tied embedding's tensor, not on a prepacked
+    copy: the weights are counted once, and the greedy tokens are transformers'."""
+    path = tiny_model_dir("gemma2")
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    model = llm.runner.model
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert type(head).__name__ == "OneDnnLinear" and head.weight is embedding.weight
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in list(model.parameters()) + list(model.buffers())}
+    assert llm.memory["weights_bytes"] == sum(unique.values())
+    prompt = [5, 17, 33, 2, 9]
+    got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert got == greedy(reference_model(path), prompt, 6)
 
 
 def test_the_pool_sized_from_the_card_counts_this_engines_share_only(monkeypatch):

@@ -218,6 +218,9 @@ def report_table(data: dict) -> str:
             lines.append(f"{(e['device'] + ' ' + e['dtype'] + tp)[:24]:<24} {e.get('quantization') or '-':>12} "
                          f"{_mib(e.get('weights_bytes')):>10} {e.get('kv_blocks') or 0:>9} {_mib(e.get('kv_bytes')):>10} "
                          f"{e.get('max_num_batched_tokens') or '-':>8} {e['shards']:>7}")
+            if e.get("rank_load_peak_bytes"):  # tensor parallelism: what each rank held and loaded
+                lines.append(f"{'':<24} ranks' weights {' / '.join(map(_mib, e['rank_weights_bytes']))}, "
+                             f"load peaks {' / '.join(map(_mib, e['rank_load_peak_bytes']))}")
     adapters = data.get("adapters", {})
     if adapters:  # metrics.json's per-adapter figures: one table compares the fine-tunes
         metrics = [m for m in next(iter(adapters.values())) if m != "rows"]

@@ -112,10 +112,11 @@ class RankGroup:
     def new_key(self) -> int:
         return next(self._keys)
 
-    def wait_for(self, what: str, timeout_s: float | None) -> None:
-        """Waits until every rank reported `what` (a rank that fails to start fails at once)."""
+    def wait_for(self, what: str, timeout_s: float | None) -> dict[int, object]:
+        """Waits until every rank reported `what` (a rank that fails to start fails at once);
+        rank -> what its report carried."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiting = set(range(len(self.procs)))
+        waiting, reports = set(range(len(self.procs))), {}
         while waiting:
             for i in list(waiting):
                 if self.conns[i].poll(POLL_S / max(1, len(waiting))):
@@ -124,11 +125,13 @@ class RankGroup:
                         raise RankError(self._describe(i, f"failed: {message}"))
                     if kind == what:
                         waiting.discard(i)
+                        reports[i + 1] = message
             self.check()
             if deadline is not None and time.monotonic() > deadline:
                 i = min(waiting)
                 raise RankError(self._describe(i, f"did not report {what} within distributed_timeout_s="
                                                   f"{self.timeout_s:g}"))
+        return reports
 
     def check(self) -> None:
         """Raises RankError if a rank has exited."""

@@ -195,8 +195,9 @@ per stored element); None where the tensor has no such axis."""
 
 class ShardedFiles:
     """A checkpoint's tensors (engine.quantization.streaming.SafetensorsFiles) as one rank holds
-    them: each read whole, then cut to this rank's slice (a replicated one as it is). `layout`
-    (suffix) -> the axes of a quantized format's tensors (a format's `layout`; PLAIN otherwise)."""
+    them: each cut to this rank's slice as it is read, only the slice's rows read (a replicated
+    one whole). `layout` (suffix) -> the axes of a quantized format's tensors (a format's
+    `layout`; PLAIN otherwise)."""
 
     def __init__(self, files, styles: dict[str, str], sections: dict, rank: int, n: int, layout=None):
         self.files, self.styles, self.sections, self.rank, self.n = files, styles, sections, rank, n
@@ -206,17 +207,16 @@ class ShardedFiles:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        tensor = self.files.get(name)
         module, _, suffix = name.rpartition(".")
         kind = style_of(module, self.styles)
-        if kind == "replicated" or tensor.dim() == 0:
-            return tensor
+        if kind == "replicated" or not self.files.shape(name):
+            return self.files.get(name)
         axes = self.layout(suffix) or PLAIN.get(suffix) or (0, 1, None, 1)
         try:
-            part = _slice(_View(tensor), kind, suffix == "bias", self.sections, self.rank, self.n, axes)
+            return _slice(self.files.slice(name), kind, suffix == "bias", self.sections, self.rank, self.n,
+                          axes).contiguous()
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
-        return tensor if part is tensor else part.contiguous()
 
 
 class _View:

@@ -90,19 +90,77 @@ class SafetensorsFiles:
         """The tensor `name`, read into a new CPU buffer of its own."""
         path, entry, base = self.entries[name]
         start, end = entry["data_offsets"]
-        dtype = DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{name}: safetensors dtype {entry['dtype']} is not supported")
-        size = end - start
-        if size >= MAPPED_BYTES:  # its own pages: given back to the system the moment it is freed
-            buffer = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-        else:
-            buffer = torch.empty(size, dtype=torch.uint8)
-        with open(path, "rb") as f:
-            f.seek(base + start)
-            if f.readinto(memoryview(buffer.numpy())) != size:
-                raise ValueError(f"{name}: {path.name} ends before the tensor does")
-        return buffer.view(dtype).reshape(entry["shape"]) if end > start else torch.empty(entry["shape"], dtype=dtype)
+        dtype = _dtype(name, entry)
+        if end == start:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return _read(path, base + start, end - start, name).view(dtype).reshape(entry["shape"])
+
+    def slice(self, name: str) -> "TensorSlice":
+        """The tensor `name` as safetensors' `get_slice` gives it: indexing reads only what it keeps."""
+        return TensorSlice(self, name)
+
+
+class TensorSlice:
+    """One tensor of SafetensorsFiles, read in part: `[index]` (slices of step 1, as a tensor-parallel
+    rank cuts its part) reads only the rows along the first axis that the index keeps. When it
+    also cuts another axis, it reads those rows SLICE_BLOCK bytes at a time and keeps each block's
+    cut, so a rank never holds the whole tensor."""
+
+    def __init__(self, files: SafetensorsFiles, name: str):
+        self.path, entry, base = files.entries[name]
+        self.name, self.shape = name, list(entry["shape"])
+        self.dtype = _dtype(name, entry)
+        self.offset = base + entry["data_offsets"][0]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        index += (slice(None),) * (len(self.shape) - len(index))
+        if not self.shape or any(not isinstance(i, slice) or i.step not in (None, 1) for i in index):
+            raise ValueError(f"{self.name}: only slices of step 1 are read in part, not {index}")
+        first, rest = range(*index[0].indices(self.shape[0])), index[1:]
+        row_bytes = self.dtype.itemsize * torch.Size(self.shape[1:]).numel()
+        if not len(first) or not row_bytes:
+            return torch.empty(0, dtype=self.dtype).reshape(len(first), *self.shape[1:])[(slice(None), *rest)]
+        if all(i == slice(None) for i in rest):
+            return self._rows(first.start, first.stop, row_bytes)
+        step, out = max(1, SLICE_BLOCK // row_bytes), None
+        for r in range(first.start, first.stop, step):
+            part = self._rows(r, min(r + step, first.stop), row_bytes)[(slice(None), *rest)]
+            if out is None:
+                out = torch.empty((len(first), *part.shape[1:]), dtype=self.dtype)
+            out[r - first.start:r - first.start + part.shape[0]] = part
+        return out
+
+    def _rows(self, start: int, stop: int, row_bytes: int) -> torch.Tensor:
+        data = _read(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes, self.name)
+        return data.view(self.dtype).reshape(stop - start, *self.shape[1:])
+
+
+SLICE_BLOCK = 1 << 20
+"""Bytes of rows a TensorSlice reads at a time when it keeps only some of each row's columns."""
+
+
+def _dtype(name: str, entry: dict) -> torch.dtype:
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"{name}: safetensors dtype {entry['dtype']} is not supported")
+    return dtype
+
+
+def _read(path: Path, offset: int, size: int, name: str) -> torch.Tensor:
+    """`size` bytes of `path` from `offset`, uint8, in a new buffer of their own."""
+    if size >= MAPPED_BYTES:  # its own pages: given back to the system the moment it is freed
+        buffer = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        if f.readinto(memoryview(buffer.numpy())) != size:
+            raise ValueError(f"{name}: {path.name} ends before the tensor does")
+    return buffer
 
 
 @contextlib.contextmanager

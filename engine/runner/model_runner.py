@@ -74,6 +74,9 @@ class ModelRunner:
         self.load_peak_bytes = peak.bytes
         """What loading the weights added at its peak (engine.runner.memory.LoadPeak): on CPU the
         resident high-water mark over the memory before, on CUDA the allocator's peak."""
+        self.rank_loads: list[dict] = getattr(self, "rank_loads", [])
+        """Under tensor parallelism, on rank 0: each other rank's weights_bytes and load_peak_bytes,
+        as the rank measured them in its own process."""
         text_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = text_config.num_hidden_layers
         head = self.model.get_output_embeddings() if self.head == "causal" else None
@@ -133,7 +136,8 @@ class ModelRunner:
                 checkpoint, must_stream=packed is not None)  # (sliced as plain tensors otherwise)
             tensor_parallel.add_all_reduce(model)
             if self.ranks is not None:
-                self.ranks.wait_for("ready", None)  # loading a shard takes what it takes; a dead rank fails
+                # loading a shard takes what it takes; a dead rank fails
+                self.rank_loads = [load for _, load in sorted(self.ranks.wait_for("ready", None).items())]
         except BaseException as exc:
             if self.ranks is not None:
                 error = self.ranks.failure(exc, in_pass=False)
@@ -355,7 +359,7 @@ def rank_main(config: EngineConfig, rank: int, port: int, conn, parent: int, thr
         conn.send(("hello", None))
         join_as_rank(config, rank, port, parent, threads, rank_device(resolve_device(config.device), rank))
         runner = ModelRunner(config, rank=rank)
-        conn.send(("ready", None))
+        conn.send(("ready", {"weights_bytes": runner.weights_nbytes, "load_peak_bytes": runner.load_peak_bytes}))
         serve(runner, conn)
     except (EOFError, KeyboardInterrupt):  # rank 0 is gone, or Ctrl-C reached the process group
         pass

@@ -72,6 +72,8 @@ def share_cpu_threads(num_workers: int) -> None:
 ENGINE_FACTS = ("device", "dtype", "quantization", "tensor_parallel_size", "weights_bytes", "kv_blocks", "block_size",
                 "kv_bytes", "kv_cache_dtype", "max_num_batched_tokens", "load_peak_bytes")
 """What a part's record says about the engine that generated it (the manifest's `engines`)."""
+RANK_FACTS = ("rank_weights_bytes", "rank_load_peak_bytes")
+"""Added to those under tensor parallelism: each rank's weights' bytes and load peak, rank 0 first."""
 
 
 def engine_facts(engine) -> dict | None:
@@ -83,5 +85,5 @@ def engine_facts(engine) -> dict | None:
         return None
     facts = {"device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
              "max_num_batched_tokens": engine.max_num_batched_tokens, **engine.memory}
-    return {k: facts.get(k) for k in ENGINE_FACTS}
+    return {k: facts.get(k) for k in ENGINE_FACTS} | {k: facts[k] for k in RANK_FACTS if k in facts}
 

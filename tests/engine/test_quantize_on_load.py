@@ -130,7 +130,7 @@ PEAK_CHILD = textwrap.dedent("""
     largest = max(4 * torch.Size(files.shape(n)).numel() for n in files.entries)
     print("PEAK " + json.dumps({"added": status()["VmHWM"] - before, "weights": runner.weights_nbytes,
                                 "largest": largest, "streamed": runner.streamed,
-                                "reported": runner.load_peak_bytes}))
+                                "reported": runner.load_peak_bytes, "ranks": runner.rank_loads}))
     runner.close()
 """)
 
@@ -161,10 +161,15 @@ def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method,
     r = json.loads(line[5:])
     assert r["streamed"]
     bound = 1.1 * (r["weights"] + r["largest"])
-    print(method, {k: v / 2**20 for k, v in r.items() if not isinstance(v, bool)}, bound / 2**20)
+    print(method, {k: v / 2**20 for k, v in r.items() if isinstance(v, int) and not isinstance(v, bool)}, bound / 2**20)
     # the engine's own figure (manifest, stats): the weights' load alone, within the whole runner's
     assert 0 < r["reported"] <= r["added"]
     assert r["reported"] <= bound, f"{method}: the load added {r['reported'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
+    assert len(r["ranks"]) == int(ranks) - 1
+    for i, rank in enumerate(r["ranks"], 1):  # each other rank, as its own process measured it
+        rank_bound = 1.1 * (rank["weights_bytes"] + r["largest"])
+        print(f"rank {i}", rank["load_peak_bytes"] / 2**20, rank["weights_bytes"] / 2**20, rank_bound / 2**20)
+        assert 0 < rank["load_peak_bytes"] <= rank_bound, (i, rank, rank_bound)
 
 
 def test_the_cpu_packing_of_row_blocks_is_the_whole_layers():

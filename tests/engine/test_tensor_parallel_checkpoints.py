@@ -11,6 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.api.errors import ModelLoadError
 from engine.quantization import Int4Linear
 from engine.quantization.methods import Int8Linear
+from pipeline.tasks import engine_facts
 from test_packed_checkpoints import write
 from test_parity import PROMPTS
 from test_quantization import calibrated_input_scales, compressed_checkpoint
@@ -53,6 +54,12 @@ def test_a_quantized_model_runs_over_two_ranks_as_in_one_process(kind, method, s
         shard = two.runner.model.model.layers[0]
         assert isinstance(shard.self_attn.o_proj, layer) and isinstance(shard.mlp.down_proj, layer)
         assert two.memory["weights_bytes"] < 0.7 * two.memory["unquantized_weights_bytes"]
+        ranks = two.memory["rank_weights_bytes"]  # each rank's own, as the manifest records them
+        assert len(ranks) == 2 and ranks[0] == two.memory["weights_bytes"] and ranks[1] < ranks[0]  # (no head)
+        peaks = two.memory["rank_load_peak_bytes"]  # (rank 0 may reuse memory this process freed: 0 then)
+        assert len(peaks) == 2 and peaks[0] == two.memory["load_peak_bytes"] and peaks[1] > 0
+        facts = engine_facts(two)
+        assert facts["rank_weights_bytes"] == ranks and "rank_load_peak_bytes" not in engine_facts(one)
         outs = two.generate(PROMPTS, PARAMS)
     agree = sum(a.token_ids == b.token_ids for a, b in zip(want, outs))
     # int4 shards hold one process's groups exactly (only the all-reduce's order of sums differs);
@@ -74,27 +81,37 @@ def test_a_split_that_cuts_a_group_is_refused_in_one_line(tmp_path):
                             "(each of 2 tensor-parallel ranks holds 64 of its 128)"), message
 
 
-def test_shard_slices_follow_each_formats_packing():
+def test_shard_slices_follow_each_formats_packing(tmp_path, monkeypatch):
     """ShardedFiles cuts GPTQ's tensors (packed along K, zeros packed along N) to the rank's rows of
-    K for a row-parallel layer and columns of N for a column-parallel one."""
+    K for a row-parallel layer and columns of N for a column-parallel one. It reads from the file
+    only the rows it keeps, and a column cut a block of rows at a time: never the whole tensor."""
+    from safetensors.torch import save_file
+
+    import engine.quantization.streaming as streaming
     from engine.distributed.tensor_parallel import ShardedFiles
     from engine.quantization.checkpoints import packed_format
 
     fmt = packed_format({"quant_method": "gptq", "bits": 4, "group_size": 128})
     k, n = 512, 256
-    tensors = {"m.o_proj.qweight": torch.arange(k // 8 * n).view(k // 8, n),
-               "m.o_proj.qzeros": torch.arange(k // 128 * n // 8).view(k // 128, n // 8),
-               "m.o_proj.scales": torch.arange(k // 128 * n).view(k // 128, n).float(),
-               "m.q_proj.qweight": torch.arange(k // 8 * n).view(k // 8, n),
-               "m.q_proj.qzeros": torch.arange(k // 128 * n // 8).view(k // 128, n // 8)}
-
-    class Files(dict):
-        get = dict.__getitem__
+    tensors = {"m.o_proj.qweight": torch.arange(k // 8 * n, dtype=torch.int32).view(k // 8, n),
+               "m.o_proj.qzeros": torch.arange(k // 128 * n // 8, dtype=torch.int32).view(k // 128, n // 8),
+               "m.o_proj.scales": torch.arange(k // 128 * n).view(k // 128, n).half(),
+               "m.q_proj.qweight": torch.arange(k // 8 * n, dtype=torch.int32).view(k // 8, n),
+               "m.q_proj.qzeros": torch.arange(k // 128 * n // 8, dtype=torch.int32).view(k // 128, n // 8),
+               "m.q_proj.g_idx": torch.arange(k, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    reads, read = [], streaming._read
+    monkeypatch.setattr(streaming, "_read", lambda *a: reads.append(a[2]) or read(*a))
+    monkeypatch.setattr(streaming, "SLICE_BLOCK", 4096)  # the column cut reads 4 rows of 1 KiB at a time
 
     styles = {"o_proj": "row", "q_proj": "column"}
-    files = ShardedFiles(Files(tensors), styles, {}, 1, 2, fmt.layout)
+    files = ShardedFiles(streaming.SafetensorsFiles(tmp_path), styles, {}, 1, 2, fmt.layout)
     assert torch.equal(files.get("m.o_proj.qweight"), tensors["m.o_proj.qweight"][32:])
     assert torch.equal(files.get("m.o_proj.qzeros"), tensors["m.o_proj.qzeros"][2:])
     assert torch.equal(files.get("m.o_proj.scales"), tensors["m.o_proj.scales"][2:])
+    assert reads == [32 * n * 4, 2 * n // 8 * 4, 2 * n * 2]  # the second half of the rows, and only it
+    reads.clear()
     assert torch.equal(files.get("m.q_proj.qweight"), tensors["m.q_proj.qweight"][:, 128:])
+    assert reads == [4 * n * 4] * (k // 8 // 4)
     assert torch.equal(files.get("m.q_proj.qzeros"), tensors["m.q_proj.qzeros"][:, 16:])
+    assert torch.equal(files.get("m.q_proj.g_idx"), tensors["m.q_proj.g_idx"])  # (a column layer's K: whole)

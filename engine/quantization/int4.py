@@ -12,7 +12,13 @@ the op and the shapes behind "10-20x slower": it is the float32 activations, not
 
 Values are stored as torch's kernels want them: w = (q - 8) * scale + zero with q in [0, 15], and
 scales and zeros together as (K / group, N, 2) in bfloat16. A layer whose shape the kernels do not
-take (CPU: N a multiple of 16; CUDA: N of 8 and K of 128) stays in the model's dtype.
+take (CPU: N a multiple of 16; CUDA: N of 8) stays in the model's dtype.
+
+Quantized while loading, a layer whose K is not a multiple of the group (down_proj's 1,376 inputs
+in builtin:llama-42m; every projection of a model 576 or 960 wide, as SmolLM's) is padded to the
+next multiple: its last group repeats its last column (so the group's range is its own), and
+each forward pads the activations with zeros, which the padded columns multiply. Before, such a
+layer stayed in the model's dtype. A checkpoint's layers are taken as stored.
 """
 from __future__ import annotations
 
@@ -26,13 +32,22 @@ GROUP_SIZE = 128
 CUDA_INNER_K_TILES = 8
 
 
-def int4_supported(out_features: int, in_features: int, device: torch.device, group_size: int = GROUP_SIZE) -> bool:
-    """Whether the packed kernels take a layer of this shape on `device`."""
+def int4_supported(out_features: int, in_features: int, device: torch.device, group_size: int = GROUP_SIZE,
+                   pad: bool = False) -> bool:
+    """Whether the packed kernels take a layer of this shape on `device` (with `pad`, its inputs
+    padded to a multiple of the group, as from_weight does)."""
+    if pad:
+        in_features = padded(in_features, group_size)
     if in_features % group_size:
         return False
     if device.type == "cuda":
         return out_features % 8 == 0 and in_features % (CUDA_INNER_K_TILES * 16) == 0
     return out_features % 16 == 0 and in_features % 2 == 0
+
+
+def padded(in_features: int, group_size: int = GROUP_SIZE) -> int:
+    """`in_features` rounded up to a multiple of the group."""
+    return -(-in_features // group_size) * group_size
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,16 +101,27 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device=device, dtype=dtype),
                                                            requires_grad=False)
         self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.qweight_in = k
+        """The inputs the packed values hold (in_features, or more where from_weight padded them)."""
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                     device: torch.device, group_size: int = GROUP_SIZE) -> "Int4Linear":
+        """`weight` (N, K) quantized in groups along K; K padded to a multiple of the group (its
+        last column repeated, so the last group's range is its own)."""
+        n, k = weight.shape
+        if k % group_size:
+            weight = torch.cat([weight, weight[:, -1:].expand(n, padded(k, group_size) - k)], dim=1)
         q, scale, zero = quantize_int4(weight, group_size)
-        return cls(q, scale, zero, bias, dtype, device, group_size)
+        layer = cls(q, scale, zero, bias, dtype, device, group_size)
+        layer.in_features = k
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.in_features != self.qweight_in:  # zeros for the padded columns
+            x2 = torch.nn.functional.pad(x2, (0, self.qweight_in - self.in_features))
         if x2.device.type == "cuda":
             y = torch._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
         else:
@@ -107,7 +133,9 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight these values stand for, (N, K) float32 (the identity through the kernel)."""
-        eye = torch.eye(self.in_features, device=self.qweight.device, dtype=torch.bfloat16)
+        eye = torch.eye(self.qweight_in, device=self.qweight.device, dtype=torch.bfloat16)
         if self.qweight.device.type == "cuda":
-            return torch._weight_int4pack_mm(eye, self.qweight, self.group_size, self.scales_and_zeros).float().T
-        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales_and_zeros).float().T
+            full = torch._weight_int4pack_mm(eye, self.qweight, self.group_size, self.scales_and_zeros)
+        else:
+            full = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales_and_zeros)
+        return full.float().T[:, :self.in_features]

@@ -216,7 +216,7 @@ def quantizer(method: str, leaf: str, child: nn.Module, head: nn.Module | None, 
         return None
     out_features, in_features = (child.weight.shape[::-1] if isinstance(child, Conv1D) else child.weight.shape)
     if method == "int4":
-        if not int4_supported(out_features, in_features, device):
+        if not int4_supported(out_features, in_features, device, pad=True):
             return None
         return lambda weight, bias: Int4Linear.from_weight(weight, bias, dtype, device)
     make = Int8Linear if method == "int8" else Fp8Linear

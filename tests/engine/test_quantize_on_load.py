@@ -63,13 +63,38 @@ def test_int4_layer_is_its_dequantized_weights_within_half_a_step():
     assert torch.allclose(layer(x), ref, rtol=0.02, atol=0.05 * float(ref.abs().mean()))
     assert layer(x).dtype == torch.float32
     assert not int4_supported(100, 384, torch.device("cpu")) and not int4_supported(256, 200, torch.device("cpu"))
+    assert int4_supported(256, 200, torch.device("cpu"), pad=True) and not int4_supported(100, 200, torch.device("cpu"),
+                                                                                          pad=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_int4_layer_whose_inputs_no_group_divides_is_padded_to_the_next_group():
+    """K = 200: one group of 128 and one of 72 real columns. The last group's range is its own
+    columns' (its padding repeats the last one), and the product is the dequantized weight's."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(256, 200), torch.randn(256)
+    w[:, 128:] = 2 + 0.05 * w[:, 128:]  # a narrow last group: zeros in its padding would widen its range 7-fold
+    layer = Int4Linear.from_weight(w, bias, torch.float32, torch.device("cpu"))
+    deq = layer.dequantized()
+    assert deq.shape == (256, 200) and layer.qweight_in == 256
+    for cols in (slice(0, 128), slice(128, 200)):
+        group = w[:, cols]
+        step = (group.amax(-1) - group.amin(-1)) / 15
+        assert bool(((deq[:, cols] - group).abs() <= 0.51 * step[:, None] + 0.015).all())  # (bfloat16 zero points)
+    x = torch.randn(3, 7, 200)
+    ref = x.bfloat16().float() @ deq.T + bias
+    out = layer(x)
+    assert out.shape == (3, 7, 256)
+    assert torch.allclose(out, ref, rtol=0.02, atol=0.05 * float(ref.abs().mean()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama 192 wide"])
 def test_int4_greedy_tokens_agree_with_transformers_on_the_dequantized_model(arch, tmp_path):
+    """Every projection in int4, the head in float32; 192 wide (as SmolLM's 576 and 960, no group
+    of 128 divides its inputs), every layer's inputs padded to the next group."""
     from transformers import AutoModelForCausalLM
 
-    path = build(tmp_path / arch, arch)
+    arch, _, wide = arch.partition(" ")
+    path = build(tmp_path / arch, arch, hidden=int(wide.split()[0]) if wide else 128)
     q = LLMEngine(EngineConfig(model=str(path), quantization="int4"))
     layers = {n: m for n, m in q.runner.model.named_modules() if isinstance(m, Int4Linear)}
     assert len(layers) == 7 * 2 and q.runner.streamed  # every projection; the head stays float32

@@ -37,5 +37,7 @@ def record_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
             continue
         entry = {seq.output_token_ids[-1]: float(chosen[i])}
         entry.update(zip(ids[:want, i].tolist(), values[:want, i].tolist()))
-        seq.logprobs = (seq.logprobs or []) + [entry]
-        seq.logprob_ranks = (seq.logprob_ranks or []) + [int(ranks[i])]
+        if seq.logprobs is None:  # (a list of its own per sequence: appended in place, not copied per step)
+            seq.logprobs, seq.logprob_ranks = [], []
+        seq.logprobs.append(entry)
+        seq.logprob_ranks.append(int(ranks[i]))

@@ -206,6 +206,9 @@ class ShardedFiles:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.files.dtype(name)
+
     def get(self, name: str) -> torch.Tensor:
         module, _, suffix = name.rpartition(".")
         kind = style_of(module, self.styles)

@@ -86,6 +86,9 @@ class SafetensorsFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name][1]["shape"])
 
+    def dtype(self, name: str) -> torch.dtype:
+        return _dtype(name, self.entries[name][1])
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`, read into a new CPU buffer of its own."""
         path, entry, base = self.entries[name]
@@ -188,6 +191,15 @@ def build_on_meta(cls, hf_config, dtype: torch.dtype, attn_implementation: str, 
                                trust_remote_code=trust_remote_code)
 
 
+def _check_unquantized(packed, files, module: str) -> None:
+    """A layer of a quantized checkpoint that its format does not hold must be stored in floating
+    point: int8 or fp8 values without their scales are refused, naming the missing tensor."""
+    name = f"{module}.weight"
+    if name in files and (not files.dtype(name).is_floating_point or files.dtype(name).itemsize == 1):
+        raise ValueError(f"{module}.{packed.tensors[0]}: missing from the checkpoint (its {name} is "
+                         f"{str(files.dtype(name)).removeprefix('torch.')})")
+
+
 def names_match(model: nn.Module, files: SafetensorsFiles, tied: bool, packed=None) -> bool:
     """Whether every parameter of the model is a tensor of the checkpoint under its own name (a
     linear layer a quantized checkpoint's format `packed` holds, by that format's tensors)."""
@@ -203,7 +215,8 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
     picks is replaced by its quantized module as its weight is read (a tied head from the input
     embedding's tensor); every other parameter is read into `device`, floating ones in `dtype`.
     With a quantized checkpoint's format `packed` (engine.quantization.checkpoints), the layers it
-    holds load from its tensors instead. Returns how many layers were quantized."""
+    holds load from its tensors instead, and the others (the LM head its config ignores, a layer
+    no group divides) stay as stored, as vLLM runs them. Returns how many layers were quantized."""
     from transformers.pytorch_utils import Conv1D
 
     from engine.quantization.methods import quantizer
@@ -223,6 +236,9 @@ def stream_weights(model: nn.Module, files: SafetensorsFiles, device: torch.devi
                     setattr(parent, child_name, _repacked(packed, files, name, child, dtype, device, method))
                     give_back_heap()
                     count += 1
+                    continue
+                if packed is not None:  # a layer the checkpoint left unquantized stays as stored
+                    _check_unquantized(packed, files, name)
                     continue
                 make = quantizer(method, child_name, child, head, dtype, device)
                 source = f"{name}.weight"

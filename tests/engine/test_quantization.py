@@ -181,16 +181,34 @@ def compressed_checkpoint(src, out, kind: str = "int8", input_scales: dict[str, 
     return packed
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked, tmp_path, kind):
+def dense_copy(src, packed: dict, out):
+    """The model in `src` with a compressed-tensors checkpoint's values (`packed`) dequantized into
+    float32 weights: what transformers loads, the ideal rounding's reference."""
     from safetensors.torch import save_file
 
-    src = peaked("llama")
+    out.mkdir()
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    weights = {k: v for k, v in packed.items() if not k.endswith(("weight_scale", "input_scale"))}
+    for k in list(weights):
+        if weights[k].dtype in (torch.int8, torch.float8_e4m3fn):
+            weights[k] = weights[k].float() * packed[k[: -len("weight")] + "weight_scale"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked, tmp_path, kind, arch):
+    """Llama, and Qwen2 with its Q/K/V biases; the LM head the checkpoint's config ignores stays
+    as stored, in float32."""
+    src = peaked(arch)
     packed = compressed_checkpoint(src, tmp_path / "w8", kind)
     llm = LLMEngine(EngineConfig(model=str(tmp_path / "w8")))
     # on CPU (no fp8 matmuls) an fp8 checkpoint runs int8, each layer requantized as it is read
     assert llm.runner.checkpoint_quantization == f"compressed-tensors {kind}" and llm.runner.quantization == "int8"
     assert llm.runner.streamed  # read a layer at a time: never the whole model in full precision
+    assert not isinstance(llm.runner.model.get_output_embeddings(), Int8Linear)  # (ignore: ["lm_head"])
     name = "model.layers.0.self_attn.q_proj"
     q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, Int8Linear)
@@ -198,16 +216,7 @@ def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked,
         assert torch.equal(q_proj.qweight, packed[f"{name}.weight"])
         assert torch.equal(q_proj.scale, packed[f"{name}.weight_scale"].reshape(-1).to(q_proj.scale.dtype))
     # the same model with the dequantized weights, run in float32
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    for f in src.iterdir():
-        (dense / f.name).write_bytes(f.read_bytes())
-    weights = {k: v for k, v in packed.items() if not k.endswith("weight_scale")}
-    for k in list(weights):
-        if weights[k].dtype in (torch.int8, torch.float8_e4m3fn):
-            weights[k] = weights[k].float() * packed[k[: -len("weight")] + "weight_scale"]
-    save_file(weights, dense / "model.safetensors", metadata={"format": "pt"})
-    ref = LLMEngine(EngineConfig(model=str(dense)))
+    ref = LLMEngine(EngineConfig(model=str(dense_copy(src, packed, tmp_path / "dense"))))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     got, want = llm.generate(PROMPTS, params), ref.generate(PROMPTS, params)
     assert sum(a.token_ids == b.token_ids for a, b in zip(got, want)) >= 0.9 * len(PROMPTS)
@@ -216,6 +225,48 @@ def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked,
     with pytest.raises(ValueError, match="quantization int4 asked for, but the checkpoint is quantized with "
                                          f"compressed-tensors {kind}"):
         LLMEngine(EngineConfig(model=str(tmp_path / "w8"), quantization="int4"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w8a8_agreement_is_reported_next_to_ideal_roundings(tiny_model_dir, tmp_path, arch):
+    """A W8A8 checkpoint's greedy tokens against transformers on its weights dequantized in float32,
+    beside ideal rounding's: the same weights with each linear layer's inputs rounded per token to
+    int8, in float32 arithmetic (what exact int8 products give). On a random model (not a peaked
+    one), where rounding the activations flips some rows. The engine's products run in int8
+    (torch._int_mm): it must agree as often as ideal rounding does, within one row."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_dir(arch)
+    packed = compressed_checkpoint(src, tmp_path / "w8")
+    ref = AutoModelForCausalLM.from_pretrained(dense_copy(src, packed, tmp_path / "dense"), dtype=torch.float32).eval()
+    llm = LLMEngine(EngineConfig(model=str(tmp_path / "w8")))
+    prompts = [llm.tokenizer.encode(p + s) for p in PROMPTS for s in ("", " and more", "?!", " 42")]
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+
+    def greedy(model):
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
+        return outs
+
+    def round_per_token(module, args):
+        x = args[0]
+        step = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        return (torch.round(x / step).clamp(-127, 127) * step,)
+
+    want = greedy(ref)
+    hooks = [m.register_forward_pre_hook(round_per_token) for name, m in ref.named_modules()
+             if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    ideal = greedy(ref)
+    for hook in hooks:
+        hook.remove()
+    engine, rounded = sum(a == b for a, b in zip(got, want)), sum(a == b for a, b in zip(ideal, want))
+    same = sum(a == b for a, b in zip(got, ideal))
+    print(f"{arch} W8A8: {engine} of {len(prompts)} rows agree with the dequantized float32 model; "
+          f"ideal rounding: {rounded}; the engine's rows are ideal rounding's on {same}")
+    assert engine >= rounded - 1 and same >= len(prompts) - 2, (engine, rounded, same)
 
 
 def calibrated_input_scales(src, top: float) -> dict[str, float]:
@@ -310,6 +361,27 @@ def test_checkpoints_quantized_in_ways_the_engine_cannot_run_fail_at_load_in_one
     save_file({**packed, name: packed[name][:4]}, w8 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=rf"{name}: shape \(4, 1\), expected \(\d+, 1\) or \(1,\)"):
         LLMEngine(EngineConfig(model=str(w8)))
+    # a layer's int8 or fp8 values without their scale (loaded as floats, they would be ~100x off)
+    for kind, stored in (("int8", "int8"), ("fp8", "float8_e4m3fn")):
+        w8k = tmp_path / f"w8-{kind}"
+        packed_k = compressed_checkpoint(tiny_model_dir("llama"), w8k, kind)
+        save_file({k: v for k, v in packed_k.items() if k != name}, w8k / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError) as err:
+            LLMEngine(EngineConfig(model=str(w8k)))
+        assert (f"{name}: missing from the checkpoint (its model.layers.0.mlp.up_proj.weight is {stored})"
+                in str(err.value) and "\n" not in str(err.value)), str(err.value)
+    # a static scheme's input scale: missing, or more than one value
+    static = tmp_path / "w8-static"
+    layers = [k[: -len(".weight")] for k, v in packed.items() if k.endswith(".weight") and v.dtype == torch.int8]
+    packed_s = compressed_checkpoint(tiny_model_dir("llama"), static, input_scales=dict.fromkeys(layers, 0.05))
+    scale = "model.layers.0.self_attn.k_proj.input_scale"
+    for tensors, said in (({k: v for k, v in packed_s.items() if k != scale},
+                           rf"{scale}: missing from the checkpoint \(its activations' scheme is static\)"),
+                          ({**packed_s, scale: torch.tensor([0.05, 0.06])},
+                           rf"{scale}: shape \(2,\), expected one value")):
+        save_file(tensors, static / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=said):
+            LLMEngine(EngineConfig(model=str(static)))
     config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as err:

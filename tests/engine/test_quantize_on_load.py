@@ -143,10 +143,11 @@ PEAK_CHILD = textwrap.dedent("""
     def status():
         f = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
         return {k: int(f[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
-    config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2], device="cpu", tensor_parallel_size=int(sys.argv[4]))
+    method = None if sys.argv[2] == "none" else sys.argv[2]  # (none: the checkpoint's own)
+    config = EngineConfig(model=sys.argv[1], quantization=method, device="cpu", tensor_parallel_size=int(sys.argv[4]))
     # a load of a tiny model of the same family first: the imports a load makes (~200 MiB of
     # modules), the kernels' first calls; it leaves a few hundred KiB for the next load to reuse
-    warm = LLMEngine(EngineConfig(model=sys.argv[3], quantization=sys.argv[2], device="cpu", max_batch_tokens=64))
+    warm = LLMEngine(EngineConfig(model=sys.argv[3], quantization=method or "int8", device="cpu", max_batch_tokens=64))
     warm.generate([[1, 5, 6]], SamplingParams(max_tokens=2))
     del warm
     before = status()["VmRSS"]
@@ -160,7 +161,8 @@ PEAK_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8", "int8 over 2 ranks",
+@pytest.mark.parametrize("method", ["int8", "int4", "compressed-tensors int8", "compressed-tensors fp8", "gptq",
+                                    pytest.param("compressed-tensors int4", marks=pytest.mark.slow), "int8 over 2 ranks",
                                     pytest.param("compressed-tensors int4 over 2 ranks", marks=pytest.mark.slow)])
 def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method, tmp_path):
     """In a fresh process, a tiny model's load first (imports, kernels' first calls); then the
@@ -174,11 +176,11 @@ def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method,
     method = method.removesuffix(" over 2 ranks")
     path = build(tmp_path / "m", hidden=256, layers=4, vocab=8192, peaked=False)
     warm = build(tmp_path / "warm", peaked=False)
-    if method == "compressed-tensors int8":
-        path, method = tmp_path / "ct", "int8"
-        compressed_checkpoint(tmp_path / "m", path)
-    elif method == "compressed-tensors int4":
-        path, method = write("compressed-tensors", tmp_path / "m", tmp_path / "ct4")[0], "int4"
+    if method in ("compressed-tensors int8", "compressed-tensors fp8"):  # (fp8 runs int8 on CPU, requantized)
+        path, kind, method = tmp_path / "ct", method.split()[-1], "none"
+        compressed_checkpoint(tmp_path / "m", path, kind)
+    elif method in ("compressed-tensors int4", "gptq"):
+        path, method = write(method.split()[0], tmp_path / "m", tmp_path / "ct4")[0], "int4"
     proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path), method, str(warm), ranks], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("PEAK ")), None)

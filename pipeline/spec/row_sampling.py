@@ -19,7 +19,7 @@ def row_sampling(value, job_sampling: SamplingSpec) -> dict:
         return {}
     if not isinstance(value, dict):
         raise ValueError(f"{SAMPLING_PARAMS} must be a mapping of sampling fields, got {type(value).__name__}")
-    given = {k: v for k, v in value.items() if v is not None}
+    given = {k: _present(v) for k, v in value.items() if v is not None}
     if "prompt_logprobs" in given and job_sampling.prompt_logprobs is None:
         # the output's columns are the job's: a row may change the number, not add the column
         raise ValueError(f"{SAMPLING_PARAMS}.prompt_logprobs: the job's sampling sets no prompt_logprobs, so its "
@@ -36,3 +36,14 @@ def row_sampling(value, job_sampling: SamplingSpec) -> dict:
     if "structured_outputs" in out:
         out["structured_outputs"] = checked.structured_outputs.params() if checked.structured_outputs else None
     return out
+
+
+def _present(value):
+    """`value` without the null entries of its mappings, at every depth. Arrow gives every row of a
+    batch the union of the keys its rows' structs have, null where a row has none: two rows'
+    logit_bias {"5": 1} and {"7": 2} arrive as {"5": 1, "7": None} and {"5": None, "7": 2}."""
+    if isinstance(value, dict):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_present(v) for v in value]
+    return value

@@ -122,3 +122,23 @@ def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
     assert {v["rank"] for v in second.values()} >= {1, 2} and all("decoded_token" in v for v in second.values())
     assert "prompt_logprobs" not in out[1]["response"]["body"]
     assert out[2]["error"]["message"] == "body.prompt_logprobs must be in [0, 20], got 30"
+
+
+def test_a_rows_nested_sampling_params_survive_arrows_merge_of_a_batchs_structs():
+    """Arrow gives every row the union of the batch's struct keys, null where a row has none: the
+    nulls are dropped at every depth, so each row keeps its own logit_bias and schema."""
+    import pyarrow as pa
+
+    from pipeline.spec.row_sampling import row_sampling
+
+    job = validate(BASE).sampling
+    rows = pa.Table.from_pylist([
+        {"sampling_params": {"logit_bias": {"5": 1.0}, "structured_outputs": {"json": {"type": "object"}}}},
+        {"sampling_params": {"logit_bias": {"7": -2.0}, "structured_outputs": {"json": {"type": "string",
+                                                                                           "maxLength": 5}}}},
+    ]).to_pylist()
+    assert rows[0]["sampling_params"]["logit_bias"] == {"5": 1.0, "7": None}  # what Arrow hands over
+    first, second = (row_sampling(r["sampling_params"], job) for r in rows)
+    assert first["logit_bias"] == {5: 1.0} and second["logit_bias"] == {7: -2.0}
+    assert first["structured_outputs"].json == {"type": "object"}
+    assert second["structured_outputs"].json == {"type": "string", "maxLength": 5}

@@ -232,7 +232,9 @@ def _parse_sampling(body: dict, chat: bool) -> dict:
         raise _RowError(f"body.stream must be false, got {body['stream']!r}")
     _put(sampling, "logprobs", _parse_logprobs(body, chat))
     _put(sampling, "logit_bias", _parse_logit_bias(body.get("logit_bias")))
-    _put(sampling, "prompt_logprobs", _optional(body, "prompt_logprobs", _check_int, 0, 20))  # vLLM's extension
+    # vLLM's extension; this and logprobs are bounded by the engine's max_logprobs, as vLLM's server
+    # bounds them (a line over it is that line's error), not by OpenAI's 5 and 20
+    _put(sampling, "prompt_logprobs", _optional(body, "prompt_logprobs", _check_int, 0))
     _put(sampling, "structured_outputs", _parse_response_format(body.get("response_format")))
     return sampling
 
@@ -290,10 +292,10 @@ def _parse_logit_bias(value) -> dict[int, float] | None:
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:
-    if not chat:  # completions: logprobs = number of alternatives, 0..5
-        return _optional(body, "logprobs", _check_int, 0, 5)
+    if not chat:  # completions: logprobs = number of alternatives
+        return _optional(body, "logprobs", _check_int, 0)
     wanted = _optional(body, "logprobs", _check_bool)
-    top = _optional(body, "top_logprobs", _check_int, 0, 20)
+    top = _optional(body, "top_logprobs", _check_int, 0)
     if top is not None and not wanted:
         raise _RowError("body.top_logprobs needs body.logprobs: true")
     return (top or 0) if wanted else None

@@ -121,7 +121,24 @@ def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
     second = body["prompt_logprobs"][1]
     assert {v["rank"] for v in second.values()} >= {1, 2} and all("decoded_token" in v for v in second.values())
     assert "prompt_logprobs" not in out[1]["response"]["body"]
-    assert out[2]["error"]["message"] == "body.prompt_logprobs must be in [0, 20], got 30"
+    assert out[2]["error"]["message"] == "prompt_logprobs 30 is above max_logprobs (20; EngineConfig.max_logprobs)"
+    # the engine's max_logprobs bounds a line's logprobs, as vLLM's server does: not OpenAI's 5 and 20
+    wide = validate({"input": {"path": "in.jsonl", "format": "openai_batch"}, "engine": {"max_logprobs": 32},
+                     "output": {"path": "out/", "format": "openai_batch"}})
+    lines = [lines[2], {"custom_id": "d", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                                 "top_logprobs": 25}},
+             {"custom_id": "e", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "abc", "max_tokens": 2, "logprobs": 12}}]
+    runner = TaskRunner(wide, LLMEngine(EngineConfig(model="builtin:tiny", max_logprobs=32)))
+    out = [json.loads(x) for x in runner.openai_lines(lines, ["c", "d", "e"],
+                                                       runner.run(lines, ["c", "d", "e"], [None] * 3), 1700000000)]
+    assert len(out[0]["response"]["body"]["prompt_logprobs"][1]) >= 30
+    chosen = out[1]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(chosen) == 2 and all(len(t["top_logprobs"]) == 25 for t in chosen)
+    # (completions key the alternatives by their text: byte tokens decode alike, so fewer keys than 12)
+    assert out[2]["response"]["status_code"] == 200 and len(out[2]["response"]["body"]["choices"][0]["logprobs"][
+        "top_logprobs"]) == 2
 
 
 def test_a_rows_nested_sampling_params_survive_arrows_merge_of_a_batchs_structs():

@@ -22,7 +22,7 @@ from pipeline.run import chaos
 from pipeline.run.adapters import adapters_conflict, check_adapters, with_adapters
 from pipeline.run.dataflow import execute
 from pipeline.run.manifest import build_manifest, final_files
-from pipeline.run.planner import ShardPlan, new_plan_record, plan_blocks, shard_plan
+from pipeline.run.planner import ShardPlan, new_plan_record, plan_blocks, planned_by, shard_plan
 from pipeline.run.preflight import preflight
 from pipeline.run.progress import as_progress
 from pipeline.run.ray_env import ensure_ray
@@ -119,6 +119,10 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
         plan = shard_plan(job.spec, record)
     except InputError as exc:
         raise JobError(str(exc)) from None
+    planned, asked = planned_by(job.spec, record), (job.spec.workers.rows_per_batch, job.spec.workers.shard_bytes)
+    if resume and planned != asked:
+        progress(f"the output keeps the shards it started with (workers.rows_per_batch {planned[0]}, shard_bytes "
+                 f"{planned[1]}); the spec's {asked[0]} and {asked[1]} apply to a new output")
     _start_plan(out, record, files, plan)
     progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))

@@ -68,17 +68,31 @@ def new_plan_record() -> dict:
 
 
 def shard_plan(spec: JobSpec, record: dict) -> ShardPlan:
-    """The shard plan of an output, from its _job.json record. Outputs of earlier versions keep
-    theirs: rows only (no `shard_plan`), or bytes with whole files ("bytes")."""
-    workers, kind = spec.workers, record.get("shard_plan")
+    """The shard plan of an output, from its _job.json record: the rows_per_batch and shard_bytes
+    of the spec it recorded when it started (a resume may set others: they apply to new outputs).
+    Outputs of earlier versions keep theirs: rows only (no `shard_plan`), or bytes with whole
+    files ("bytes")."""
+    rows, size = planned_by(spec, record)
+    kind = record.get("shard_plan")
     if kind is None:
-        return ShardPlan(workers.rows_per_batch or LEGACY_ROWS_PER_SHARD, None)
+        return ShardPlan(rows or LEGACY_ROWS_PER_SHARD, None)
     if kind == "bytes":
-        return ShardPlan(workers.rows_per_batch, workers.shard_bytes)
+        return ShardPlan(rows, size)
     if kind == "segments" and isinstance(record.get("segment_bytes"), int):
-        return ShardPlan(workers.rows_per_batch, workers.shard_bytes, record["segment_bytes"])
+        return ShardPlan(rows, size, record["segment_bytes"])
     raise InputError(f"the output was started by a newer batchinfer (shard plan {kind!r}); "
                      "upgrade batchinfer to resume it, or use --overwrite")
+
+
+def planned_by(spec: JobSpec, record: dict) -> tuple[int | None, int]:
+    """(rows_per_batch, shard_bytes) that cut the output's shards: those of the spec its _job.json
+    recorded, where it recorded them, else the job's."""
+    recorded = (record.get("spec") or {}).get("workers")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    rows = recorded.get("rows_per_batch", spec.workers.rows_per_batch)
+    size = recorded.get("shard_bytes", spec.workers.shard_bytes)
+    return (rows if isinstance(rows, int) and rows > 0 else None,
+            size if isinstance(size, int) and size > 0 else spec.workers.shard_bytes)
 
 
 class Unit(NamedTuple):

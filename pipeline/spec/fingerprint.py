@@ -35,6 +35,11 @@ TUNED_FIELDS = {k: EngineConfig.__dataclass_fields__[k].default
 tokens in any batch, pool, mode or graph): since 0.4 they count as at their defaults (EngineConfig's),
 so a half-finished job resumes with new values; outputs whose fingerprint counted them as set
 still resume (`accepted_fingerprints`, and `resumes` through the spec the output recorded)."""
+PLAN_FIELDS = ("rows_per_batch", "shard_bytes")
+"""Worker fields that cut the input into shards, which never changes a row: since 2026-12-04 they
+count as at their defaults, and an output keeps the shard plan it started with (the spec its _job.json
+recorded: pipeline.run.planner.shard_plan), so a resume may change them. Outputs whose
+fingerprint counted them resume (`accepted_fingerprints`)."""
 SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
 """Engine fields earlier versions counted although they never change a row (the deprecated alias
 of max_num_batched_tokens, an ignored setting, where and how weights are read): they count as at
@@ -42,10 +47,12 @@ these defaults, and an output whose fingerprint counted them as set still resume
 (`accepted_fingerprints`)."""
 
 
-def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned: bool = True) -> str:
+def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned: bool = True,
+                planned: bool = True) -> str:
     """The spec's fingerprint; `settled=False`: as earlier versions took it (SETTLED_FIELDS as
     set), with `alias` the deprecated max_prefill_tokens standing for max_num_batched_tokens;
-    `tuned=False`: as versions before 0.4 took it (TUNED_FIELDS as set)."""
+    `tuned=False`: as versions before 0.4 took it (TUNED_FIELDS as set); `planned=False`: as
+    versions before 2026-12-04 took it (PLAN_FIELDS as set)."""
     unread = schema_file_refs(spec.model_dump())
     if unread:
         raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
@@ -74,6 +81,9 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned:
     # Fields added after 0.1 count only when set, so that outputs of older runs still resume
     # (inner fields first: a section whose added fields are all unset compares as before).
     defaults = type(spec)(input={"path": "-"}, output={"path": "-"}).model_dump(mode="json")
+    if planned:
+        for knob in PLAN_FIELDS:
+            data["workers"][knob] = defaults["workers"][knob]
     for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
         values["eval"].pop("k")
         # which adapters a job serves, and their files, are checked name by name against the output's

@@ -233,10 +233,12 @@ class JobSpec(_Section):
 
     def accepted_fingerprints(self) -> set[str]:
         """Fingerprints an output of this spec may carry: this version's, and those earlier
-        versions gave it while they still counted SETTLED_FIELDS (as set, or with the
-        max_prefill_tokens a user has since renamed max_num_batched_tokens, as its warning says)."""
-        return {self.fingerprint(), fingerprint(self, tuned=False), fingerprint(self, settled=False, tuned=False),
-                fingerprint(self, settled=False, alias=True, tuned=False)}
+        versions gave it while they still counted PLAN_FIELDS, TUNED_FIELDS or SETTLED_FIELDS (as
+        set, or with the max_prefill_tokens a user has since renamed max_num_batched_tokens, as
+        its warning says)."""
+        return {self.fingerprint(), fingerprint(self, planned=False), fingerprint(self, tuned=False, planned=False),
+                fingerprint(self, settled=False, tuned=False, planned=False),
+                fingerprint(self, settled=False, alias=True, tuned=False, planned=False)}
 
 
 def check_gpus(spec: JobSpec) -> None:

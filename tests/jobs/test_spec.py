@@ -67,7 +67,8 @@ def test_fingerprint_tracks_what_changes_rows():
     assert spec(output="other/").fingerprint() == base
     assert spec("workers.num=4").fingerprint() == base
     assert spec("sampling.max_tokens=99").fingerprint() != base
-    assert spec("workers.rows_per_batch=7").fingerprint() != base  # shard boundaries move
+    # shard boundaries never change a row, and an output keeps the plan it started with
+    assert spec("workers.rows_per_batch=7").fingerprint() == base == spec("workers.shard_bytes=4096").fingerprint()
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -112,15 +113,22 @@ def test_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path):
     assert out.exit_code == 2 and "nope: unknown key" in out.output
 
 
+PLANNED = "25dfd50d5dd2eea4"
+"""The fingerprint of the 0.1 spec below since its shard settings count as at their defaults."""
+
+
 def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
     """Outputs started by batchinfer 0.1 (before label/eval/chat/prefill/shard_bytes fields existed)
     resume: fields added since count only when set. The value was computed by the 0.1 code
     (ac30e8b). 0.1 cut shards every 256 rows by default; shards are now cut by bytes, so such an
-    output resumes with that row count set (tests/jobs/test_layout.py: the refusal says so)."""
+    output resumes with that row count set (tests/jobs/test_layout.py: the refusal says so), or through
+    the spec it recorded. Since 2026-12-04 the shard settings count as at their defaults: the value
+    is among those accepted."""
     spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
             "workers": {"rows_per_batch": 256}}
-    assert validate(spec).fingerprint() == "aaf815c29dd0473d"
-    assert validate({**spec, "workers": {}}).fingerprint() != "aaf815c29dd0473d"
+    assert "aaf815c29dd0473d" in validate(spec).accepted_fingerprints()
+    assert "aaf815c29dd0473d" not in validate({**spec, "workers": {}}).accepted_fingerprints()
+    assert validate(spec).fingerprint() == validate({**spec, "workers": {}}).fingerprint() == PLANNED
 
 
 def test_fields_that_never_change_a_row_count_no_more_and_outputs_that_counted_them_resume():
@@ -135,7 +143,7 @@ def test_fields_that_never_change_a_row_count_no_more_and_outputs_that_counted_t
     with pytest.warns(DeprecationWarning):
         for value, engine in earlier.items():
             job = validate({**spec, "engine": engine})
-            assert job.fingerprint() == "aaf815c29dd0473d" and value in job.accepted_fingerprints()
+            assert job.fingerprint() == PLANNED and value in job.accepted_fingerprints()
     renamed = validate({**spec, "engine": {"max_num_batched_tokens": 512}})
     assert "d4a74a0721547478" in renamed.accepted_fingerprints()
     assert "d4a74a0721547478" not in validate({**spec, "engine": {"max_num_batched_tokens": 256}}).accepted_fingerprints()

@@ -37,13 +37,33 @@ def test_tuning_settings_leave_the_fingerprint_and_outputs_that_counted_them_res
     assert set(TUNED_FIELDS) == set(TUNED)
     for value, engine in PREVIOUS.items():
         spec = validate({**BASE, "engine": engine})
-        assert spec.fingerprint() == "aaf815c29dd0473d"  # that of BASE: 0.1's value, as before
+        assert spec.fingerprint() == "25dfd50d5dd2eea4"  # that of BASE, its shard settings at their defaults
         assert value in spec.accepted_fingerprints()
     # an output recorded with other settings than the spec now has: through the spec it recorded
     earlier = validate({**BASE, "engine": PREVIOUS["7c296526a11b626d"]}).model_dump(mode="json")
     assert resumes(validate({**BASE, "engine": TUNED}), earlier | {"fingerprint": "7c296526a11b626d"})
     assert not resumes(validate({**BASE, "sampling": {"max_tokens": 6}}), earlier)  # a row-changing field
     assert not resumes(validate(BASE), None) and not resumes(validate(BASE), {"input": "bad"})
+
+
+def test_a_resume_keeps_the_shards_its_output_started_with():
+    """workers.rows_per_batch and shard_bytes cut the shards, never a row: they leave the
+    fingerprint, and the output's plan is the one the spec in its _job.json started it with."""
+    from pipeline.run.planner import ShardPlan, new_plan_record, shard_plan
+
+    started = validate({**BASE, "workers": {"rows_per_batch": 2, "shard_bytes": 4096}})
+    record = {**new_plan_record(), "spec": started.model_dump(mode="json")}
+    now = validate({**BASE, "workers": {"rows_per_batch": 5, "shard_bytes": 8192}})
+    assert now.fingerprint() == started.fingerprint() == validate({**BASE, "workers": {}}).fingerprint()
+    assert shard_plan(now, record) == ShardPlan(2, 4096, record["segment_bytes"])
+    assert shard_plan(now, new_plan_record()) == ShardPlan(5, 8192, record["segment_bytes"])  # (no spec recorded)
+    # an output of 0.1 (rows only, no shard_plan) whose spec recorded 0.1's default of 256 rows
+    assert shard_plan(validate({**BASE, "workers": {}}), {"spec": {"workers": {"rows_per_batch": 256}}}) == \
+        ShardPlan(256, None)
+    # outputs whose fingerprint counted them: the same settings resume, others only through their spec
+    counted = fingerprint(started, planned=False)
+    assert counted in started.accepted_fingerprints() and counted not in now.accepted_fingerprints()
+    assert resumes(now, started.model_dump(mode="json") | {"fingerprint": counted})
 
 
 @pytest.mark.slow  # three job runs (~30 s); the fast sibling is the test above
@@ -62,11 +82,16 @@ def test_a_half_finished_job_resumes_with_each_tuning_setting_changed(tmp_path, 
     # as the previous version recorded it: a fingerprint that counted the settings as set
     record_path = tmp_path / "out" / "_job.json"
     record = json.loads(record_path.read_text())
-    record["fingerprint"] = fingerprint(first, tuned=False)
+    record["fingerprint"] = fingerprint(first, tuned=False, planned=False)
     record_path.write_text(json.dumps(record))
-    tuned = validate({**spec, "output": {"path": str(tmp_path / "out")}, "engine": TUNED})
-    result = run_job(Job.of(tuned), progress=lambda m: None)
+    # the engine's tuning settings and the shard settings changed: the output keeps its shards of 2 rows
+    tuned = validate({**spec, "output": {"path": str(tmp_path / "out")}, "engine": TUNED,
+                      "workers": {"rows_per_batch": 3, "shard_bytes": 64}})
+    said = []
+    result = run_job(Job.of(tuned), progress=said.append)
     assert result.status == "complete" and 0 < result.rows_this_run < 8
+    assert len(list((tmp_path / "out" / "data").iterdir())) == 4  # 8 rows in shards of 2, as it started
+    assert any("keeps the shards it started with (workers.rows_per_batch 2" in line for line in said), said
     out, want = read_output(tmp_path / "out").to_pylist(), read_output(tmp_path / "whole").to_pylist()
     assert Counter(r["id"] for r in out) == Counter(f"in.jsonl:{i}" for i in range(8))
     by_id = {r["id"]: r["generated_text"] for r in want}

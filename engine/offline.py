@@ -11,6 +11,7 @@ from dataclasses import fields
 from engine.api.config import EngineConfig
 from engine.api.lora import per_prompt_lora
 from engine.api.pooling import PoolingParams
+from engine.api.prompts import per_prompt
 from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                                        ScoringRequestOutput, completion_outputs, prompt_logprobs_of)
 from engine.api.sampling_params import SamplingParams
@@ -112,17 +113,31 @@ class LLM:
         """The prompts as the pooling calls take them: texts or token-id lists."""
         return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in _as_list(prompts)]
 
+    def _token_ids(self, prompts: list, pooling_params) -> list[list[int] | None]:
+        """Each pooled prompt's token ids as the pooler runs it (None for a row's error)."""
+        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
+        return self.llm_engine.pooler.token_ids(prompts, params)
+
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request=None) -> list[EmbeddingRequestOutput]:
-        outs = self.llm_engine.embed(self._pooled(prompts), pooling_params, lora_request=lora_request)
-        return [EmbeddingRequestOutput(str(next(self._ids)), o) for o in outs]
+        prompts = self._pooled(prompts)
+        outs = self.llm_engine.embed(prompts, pooling_params, lora_request=lora_request)
+        return [EmbeddingRequestOutput(str(next(self._ids)), o, ids)
+                for o, ids in zip(outs, self._token_ids(prompts, pooling_params))]
 
     def classify(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
                  lora_request=None) -> list[ClassificationRequestOutput]:
-        outs = self.llm_engine.classify(self._pooled(prompts), pooling_params, lora_request=lora_request)
-        return [ClassificationRequestOutput(str(next(self._ids)), o) for o in outs]
+        prompts = self._pooled(prompts)
+        outs = self.llm_engine.classify(prompts, pooling_params, lora_request=lora_request)
+        return [ClassificationRequestOutput(str(next(self._ids)), o, ids)
+                for o, ids in zip(outs, self._token_ids(prompts, pooling_params))]
 
     def score(self, data_1, data_2, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request=None) -> list[ScoringRequestOutput]:
-        outs = self.llm_engine.score(data_1, data_2, pooling_params, lora_request=lora_request)
+        """vLLM's score: one data_1 against every data_2, or two lists pair by pair; each a text, a
+        token-id list or a vLLM prompt dict."""
+        one = isinstance(data_1, (str, dict)) or (isinstance(data_1, list) and data_1 and isinstance(data_1[0], int))
+        firsts = self._pooled(data_1)
+        outs = self.llm_engine.score(firsts[0] if one else firsts, self._pooled(data_2), pooling_params,
+                                     lora_request=lora_request)
         return [ScoringRequestOutput(str(next(self._ids)), o) for o in outs]

@@ -111,6 +111,11 @@ class Pooler:
 
     # -- rows ------------------------------------------------------------------------------------
 
+    def token_ids(self, prompts: list, params: list[PoolingParams]) -> list[list[int] | None]:
+        """Each prompt's token ids as embed and classify run it (truncated as its params say);
+        None for a prompt that is that row's error."""
+        return self._rows(prompts, params)[0]
+
     def _rows(self, prompts: list, params: list[PoolingParams]):
         rows: list[list[int] | None] = []
         errors: list[str | None] = []

@@ -202,3 +202,27 @@ def test_other_classifiers_match_transformers(tmp_path, kind, extra):
         with torch.no_grad():
             probs = torch.softmax(ref_model(**tok(text, return_tensors="pt")).logits[0], -1)
         assert np.abs(np.array(o.probs) - probs.numpy()).max() <= 1e-5
+
+
+def test_the_vllm_face_embeds_classifies_and_scores_as_the_engine_does(models):
+    """engine.LLM's embed, classify and score take texts, token-id lists and vLLM's prompt dicts,
+    and give the engine's results with each row's prompt_token_ids."""
+    from engine import LLM
+
+    pair = ["the cat", "a dog"]
+    llm = LLM(str(models["mean"]))
+    want = llm.llm_engine.embed(pair)
+    outs = llm.embed([pair[0], {"prompt": pair[1]}])
+    assert [o.outputs.embedding for o in outs] == [w.embedding for w in want]
+    assert outs[0].prompt_token_ids == llm.get_tokenizer()(pair[0])["input_ids"]
+    (by_ids,) = llm.embed({"prompt_token_ids": outs[1].prompt_token_ids})
+    assert np.allclose(by_ids.outputs.embedding, want[1].embedding, atol=1e-6)
+    (s,) = llm.score({"prompt": pair[0]}, [{"prompt": pair[1]}])
+    assert s.outputs.score == pytest.approx(float(np.dot(want[0].embedding, want[1].embedding)), abs=1e-5)
+    classifier = LLM(str(models["bert_cls"]))
+    got = classifier.classify([pair[0], {"prompt": pair[1]}])
+    assert [g.outputs.probs for g in got] == [w.probs for w in classifier.llm_engine.classify(pair)]
+    assert all(g.prompt_token_ids for g in got)
+    cross = LLM(str(models["cross"]))
+    scores = cross.score({"prompt": pair[0]}, pair)  # one text_1 against every text_2
+    assert [x.outputs.score for x in scores] == [o.score for o in cross.llm_engine.score(pair[0], pair)]

@@ -183,8 +183,11 @@ class Batch:
         ban = None
         if self.flags.bad_words and seqs is not None:
             at, tokens = dynamic_bans(seqs)
-            if at:
-                ban = (torch.tensor(at, device=self.device), torch.tensor(tokens, device=self.device))
+            if at:  # (on CUDA from pinned memory: a pageable copy would wait for the stream)
+                pair = torch.tensor([at, tokens], dtype=torch.int64)
+                if self.device.type == "cuda":
+                    pair = pair.pin_memory().to(self.device, non_blocking=True)
+                ban = (pair[0], pair[1])
         return {"st": st, "flags": self.flags, "steps": self.steps[rows],
                 "output_counts": self.output_counts[rows] if penalties else None,
                 "seen": self.seen[rows] if penalties else None, "banned": banned,

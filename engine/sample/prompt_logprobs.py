@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.core.scheduler import ScheduledChunk
@@ -60,13 +61,20 @@ def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> Non
     """Appends each collecting row's entries, {token id: logprob} for the prompt token (first)
     and its top-N alternatives, from the pass's kept logits (one host transfer per row)."""
     for seq, start, n in plan.collect:
-        lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result
         targets = seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]
-        picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
-        chosen, ranks = picked[:, 0].tolist(), ((lp > picked).sum(1) + 1).tolist()
-        want = seq.params.prompt_logprobs
-        top = lp.topk(want) if want else None
-        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        index = torch.tensor(targets, dtype=torch.int64)[:, None]
+        if logits.device.type == "cuda":  # (from pinned memory: a pageable copy would wait for the stream)
+            index = index.pin_memory().to(logits.device, non_blocking=True)
+        lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result
+        picked = lp.gather(1, index)
+        want = seq.params.prompt_logprobs or 0
+        columns = [picked.double(), ((lp > picked).sum(1, keepdim=True) + 1).double()]
+        if want:
+            top = lp.topk(want)
+            columns += [top.values.double(), top.indices.double()]
+        host = torch.cat(columns, dim=1).cpu().numpy()  # chosen, rank, top values, top ids: one transfer
+        chosen, ranks = host[:, 0].tolist(), host[:, 1].astype(np.int64).tolist()
+        values, ids = host[:, 2:2 + want].tolist(), host[:, 2 + want:].astype(np.int64).tolist()
         for k, target in enumerate(targets):
             entry = {target: chosen[k]}
             if want:

@@ -34,8 +34,9 @@ class Int8Linear(nn.Module):
     torch's weight-only int8 kernel `_weight_int8pack_mm` ran 10-20x slower than float32 with
     float32 activations), cuBLASLt's int8 GEMM on CUDA (compute capability >= 8.0; it takes more
     than 16 rows, so fewer are padded with zero rows), whose int32 result is scaled once: no
-    per-forward dequantized copy of the weight. A CUDA layer whose sizes the int8 GEMM does not
-    take (not multiples of 8) or an older card converts the weights on the fly (weight-only)."""
+    per-forward dequantized copy of the weight. On an older card (or a checkpoint's layer whose
+    sizes are not multiples of 8) the weights are converted on the fly (weight-only); quantized
+    while loading, such a layer stays in the model's dtype (quantizer)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  scale: torch.Tensor | None = None, input_scale: float | None = None):
@@ -205,7 +206,9 @@ def quantizer(method: str, leaf: str, child: nn.Module, head: nn.Module | None, 
               device: torch.device):
     """(weight, bias) -> the quantized module replacing linear layer `child` (named `leaf` in its
     parent), or None where it stays in the model's dtype: an MoE router, the LM head (but with
-    int8), or a layer whose shape the int4 kernels do not take."""
+    int8), or a layer whose shape the method's kernels do not take on `device` (int4's; on CUDA,
+    int8's GEMM wants sizes that are multiples of 8 and fp8's `_scaled_mm` multiples of 16: such a
+    layer would otherwise convert its whole weight at every forward, or fail at the first)."""
     from transformers.pytorch_utils import Conv1D
 
     from engine.quantization.int4 import Int4Linear, int4_supported
@@ -219,8 +222,14 @@ def quantizer(method: str, leaf: str, child: nn.Module, head: nn.Module | None, 
         if not int4_supported(out_features, in_features, device, pad=True):
             return None
         return lambda weight, bias: Int4Linear.from_weight(weight, bias, dtype, device)
+    if device.type == "cuda" and (out_features % CUDA_MULTIPLE[method] or in_features % CUDA_MULTIPLE[method]):
+        return None
     make = Int8Linear if method == "int8" else Fp8Linear
     return lambda weight, bias: make(weight, bias, dtype).to(device)
+
+
+CUDA_MULTIPLE = {"int8": 8, "fp8": 16}
+"""What the CUDA kernels want the in and out features of a layer to be multiples of."""
 
 
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:

@@ -402,3 +402,18 @@ def test_moe_experts_left_unquantized_are_said_at_load(tiny_model_dir, caplog):
     share = round(100 * experts / (experts + linear + others))
     assert f"({share}% of the model's)" in warned[0] and share < 100
     assert llm.memory["weights_bytes"] < llm.memory["unquantized_weights_bytes"]
+
+
+def test_layers_whose_shapes_the_cuda_kernels_refuse_stay_in_the_models_dtype():
+    """On CUDA, int8's GEMM takes sizes that are multiples of 8 and fp8's _scaled_mm multiples of
+    16: another layer stays in the model's dtype (it converted its whole weight at every forward,
+    or would fail at the first). On CPU, oneDNN's int8 takes any. (Decided from the shapes alone,
+    so no GPU is needed.)"""
+    from engine.quantization.methods import quantizer
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert quantizer("int8", "q_proj", torch.nn.Linear(60, 36), None, torch.bfloat16, cuda) is None
+    assert quantizer("int8", "q_proj", torch.nn.Linear(64, 48), None, torch.bfloat16, cuda) is not None
+    assert quantizer("int8", "q_proj", torch.nn.Linear(60, 36), None, torch.float32, cpu) is not None
+    assert quantizer("fp8", "q_proj", torch.nn.Linear(64, 40), None, torch.bfloat16, cuda) is None
+    assert quantizer("fp8", "q_proj", torch.nn.Linear(64, 48), None, torch.bfloat16, cuda) is not None

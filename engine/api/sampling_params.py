@@ -63,7 +63,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be generated (besides nothing: EOS too must be listed to end early)."""
     bad_words: list[str] = field(default_factory=list)
-    """Words never generated: each, with and without a leading space, banned as its token sequence (its last token is banned where the output ends with the rest)."""
+    """Words never generated, as vLLM bans them: each without its leading spaces, and with one leading space where that gives as many tokens with another first one (the word inside a text), banned as its token sequence (its last token is banned where the output ends with the rest)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
     spaces_between_special_tokens: bool = True

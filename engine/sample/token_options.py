@@ -29,11 +29,17 @@ def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int) ->
 
 
 def bad_word_sequences(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:
-    """The token sequences of `words`, each with and without a leading space (as vLLM bans them)."""
+    """The token sequences of `words`, as vLLM bans them: each word without its leading spaces,
+    and with one leading space where that is a sequence of as many tokens whose first differs
+    (the word in the middle of a text)."""
     found: list[tuple[int, ...]] = []
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+
     for word in words:
-        for text in (word, " " + word.lstrip()):
-            ids = tuple(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+        plain, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        for ids in (plain, spaced if plain and len(spaced) == len(plain) and spaced[0] != plain[0] else ()):
             if ids and ids not in found:
                 found.append(ids)
     return found

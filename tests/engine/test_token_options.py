@@ -100,8 +100,9 @@ def word_at(llm, token_ids: list[int], pieces: int) -> str:
     raise AssertionError(f"no {pieces} word-start tokens in a row in {tok.convert_ids_to_tokens(token_ids)}")
 
 
-def test_seeded_rows_and_n_samples_keep_each_option(engines):
-    llm = engines["continuous"]
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_seeded_rows_and_n_samples_keep_each_option(engines, mode):
+    llm = engines[mode]
     allowed = [400, 401, 402, 403]
     forced = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, seed=3, ignore_eos=True, logit_bias={777: 100}))[0]
     assert forced.token_ids == [777] * 8
@@ -123,8 +124,9 @@ def test_seeded_rows_and_n_samples_keep_each_option(engines):
     assert constrained.finish_reason == "stop" and set(json.loads(constrained.text)) == {"a"}
 
 
-def test_special_tokens_in_the_text_when_asked(engines):
-    llm = engines["static"]
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_special_tokens_in_the_text_when_asked(engines, mode):
+    llm = engines[mode]
     eos = llm.tokenizer.hf.eos_token_id
     params = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={eos: 100.0})
     assert llm.generate("x", SamplingParams(**params))[0].text == ""
@@ -146,3 +148,33 @@ def test_max_logprobs_and_token_ids_outside_the_vocabulary(model_dir, engines):
     wide = LLMEngine(EngineConfig(model=str(model_dir), max_logprobs=30))
     out = wide.generate("a", SamplingParams(max_tokens=2, logprobs=25))[0]
     assert out.finish_reason != "error" and all(len(p) >= 25 for p in out.logprobs)
+
+
+def test_seeded_sampling_with_each_option_is_sampling_from_the_hand_masked_logits():
+    """The sampler with a row's bias (logit_bias, allowed_token_ids, one-token bad words) and its
+    bans (the last tokens of longer bad words) draws, for the same seeds and steps, exactly what
+    it draws from logits masked by hand: the options change the distribution, not the noise."""
+    from engine.sample.sampler import FLOAT_FIELDS, INT_FIELDS, Sampler, SamplingFlags, SamplingTensors
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 6, 3000
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    bias = torch.zeros(rows, vocab)
+    bias[0, [5, 17, 2999]] = torch.tensor([4.0, -3.0, 8.0])  # logit_bias
+    bias[1] = float("-inf")
+    bias[1, [10, 11, 12]] = 0.0  # allowed_token_ids
+    bias[2, 7] = float("-inf")  # a one-token bad word
+    ban = (torch.tensor([3, 3, 4]), torch.tensor([9, 20, 1500]))  # bad words' last tokens, now due
+    floats = torch.zeros(rows, len(FLOAT_FIELDS))
+    floats[:, 0], floats[:, 1], floats[:, 3] = 0.8, 1.0, 1.0  # temperature, top_p, repetition_penalty
+    ints = torch.zeros(rows, len(INT_FIELDS), dtype=torch.int64)
+    ints[:, 1], ints[:, 2] = torch.arange(rows) + 11, -1  # seeds; no logprobs
+    st, steps = SamplingTensors(floats, ints), torch.full((rows,), 4)
+    sampler, flags = Sampler(vocab, torch.device("cpu")), SamplingFlags(all_greedy=False, bias=True, bad_words=True)
+    masked = logits + bias
+    masked[ban] = float("-inf")
+    for step in range(5):
+        got, _ = sampler(logits, st, flags, steps + step, bias=bias, ban=ban)
+        want, _ = sampler(masked, st, SamplingFlags(all_greedy=False), steps + step)
+        assert torch.equal(got, want), step
+        assert got[1].item() in (10, 11, 12) and got[2].item() != 7 and got[3].item() not in (9, 20)

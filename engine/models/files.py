@@ -32,6 +32,11 @@ def resolve_model_dir(config: EngineConfig, which: str | None = None, weights: b
         revision = config.revision if which is None or which == config.model else None
         return hub.resolve(ref, revision, weights=weights, allow_pickle=config.allow_pickle,
                            trust_remote_code=config.trust_remote_code)
+    gguf = [path] if path.suffix == ".gguf" and path.is_file() else (
+        sorted(path.glob("*.gguf")) if path.is_dir() and not any(path.glob("*.safetensors")) else [])
+    if gguf:
+        raise ModelLoadError(f"{ref}: quantization method 'gguf' is not supported ({gguf[0].name}); use the model's "
+                             "safetensors weights, or a GPTQ, AWQ or compressed-tensors checkpoint")
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {ref}")
     if not (path / "config.json").exists():

@@ -417,3 +417,15 @@ def test_layers_whose_shapes_the_cuda_kernels_refuse_stay_in_the_models_dtype():
     assert quantizer("int8", "q_proj", torch.nn.Linear(60, 36), None, torch.float32, cpu) is not None
     assert quantizer("fp8", "q_proj", torch.nn.Linear(64, 40), None, torch.bfloat16, cuda) is None
     assert quantizer("fp8", "q_proj", torch.nn.Linear(64, 48), None, torch.bfloat16, cuda) is not None
+
+
+def test_a_gguf_file_or_directory_is_refused_in_one_line_naming_the_method(tmp_path):
+    from engine.api.errors import ModelLoadError
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    for ref in (tmp_path, tmp_path / "model-Q4_K_M.gguf"):
+        with pytest.raises(ModelLoadError) as err:
+            LLMEngine(EngineConfig(model=str(ref)))
+        said = str(err.value)
+        assert "quantization method 'gguf' is not supported (model-Q4_K_M.gguf)" in said and "\n" not in said

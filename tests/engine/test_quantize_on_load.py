@@ -154,8 +154,9 @@ PEAK_CHILD = textwrap.dedent("""
     runner = ModelRunner(config)
     files = SafetensorsFiles(runner.model_dir)
     largest = max(4 * torch.Size(files.shape(n)).numel() for n in files.entries)
+    whole = sum(4 * torch.Size(files.shape(n)).numel() for n in files.entries)  # every tensor in float32
     print("PEAK " + json.dumps({"added": status()["VmHWM"] - before, "weights": runner.weights_nbytes,
-                                "largest": largest, "streamed": runner.streamed,
+                                "largest": largest, "whole": whole, "streamed": runner.streamed,
                                 "reported": runner.load_peak_bytes, "ranks": runner.rank_loads}))
     runner.close()
 """)
@@ -174,6 +175,7 @@ def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method,
 
     ranks = "2" if method.endswith("over 2 ranks") else "1"
     method = method.removesuffix(" over 2 ranks")
+    packed4 = method in ("compressed-tensors int4", "gptq")
     path = build(tmp_path / "m", hidden=256, layers=4, vocab=8192, peaked=False)
     warm = build(tmp_path / "warm", peaked=False)
     if method in ("compressed-tensors int8", "compressed-tensors fp8"):  # (fp8 runs int8 on CPU, requantized)
@@ -192,6 +194,11 @@ def test_the_load_peak_stays_within_the_quantized_weights_and_one_tensor(method,
     # the engine's own figure (manifest, stats): the weights' load alone, within the whole runner's
     assert 0 < r["reported"] <= r["added"]
     assert r["reported"] <= bound, f"{method}: the load added {r['reported'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
+    # (the bound is loose where the 8k-token embedding is the largest tensor: a load of the whole
+    # model in float32 then quantized would peak at `whole`, well above; a 4-bit checkpoint's
+    # values are packed, and nothing but a layer-by-layer load reads them)
+    if not packed4 and ranks == "1":
+        assert r["reported"] < 0.8 * r["whole"], (r["reported"], r["whole"])
     assert len(r["ranks"]) == int(ranks) - 1
     for i, rank in enumerate(r["ranks"], 1):  # each other rank, as its own process measured it
         rank_bound = 1.1 * (rank["weights_bytes"] + r["largest"])

@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+import torch
 
 from services import environment, moto_server
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # The Triton attention kernels' tests (tests/engine/test_triton_attention.py) run under the
+    # interpreter without CUDA. Triton fixes a kernel's mode when the kernel is decorated, and
+    # sentence-transformers and peft import triton: so before any test module is collected,
+    # or those tests skip themselves in a whole-suite run (as they did in every CI run).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

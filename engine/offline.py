@@ -19,11 +19,14 @@ from engine.api.sampling_params import SamplingParams
 CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
+def _one(prompts) -> bool:
+    """Whether `prompts` is one prompt (a string, a vLLM prompt dict, a list of token ids)."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+
+
 def _as_list(prompts) -> list:
-    """One prompt (a string, a vLLM prompt dict, a list of token ids) or a list of them -> a list."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+    """One prompt or a list of them -> a list."""
+    return [prompts] if _one(prompts) else list(prompts)
 
 
 class LLM:
@@ -136,8 +139,7 @@ class LLM:
               lora_request=None) -> list[ScoringRequestOutput]:
         """vLLM's score: one data_1 against every data_2, or two lists pair by pair; each a text, a
         token-id list or a vLLM prompt dict."""
-        one = isinstance(data_1, (str, dict)) or (isinstance(data_1, list) and data_1 and isinstance(data_1[0], int))
         firsts = self._pooled(data_1)
-        outs = self.llm_engine.score(firsts[0] if one else firsts, self._pooled(data_2), pooling_params,
+        outs = self.llm_engine.score(firsts[0] if _one(data_1) else firsts, self._pooled(data_2), pooling_params,
                                      lora_request=lora_request)
         return [ScoringRequestOutput(str(next(self._ids)), o) for o in outs]

@@ -50,13 +50,18 @@ def model_head(hf_config) -> str:
     return "causal"
 
 
+def auto_class(head: str):
+    """The transformers auto class that builds a model with `head` (model_head's kinds)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
+
+
 def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None,
                head: str = "causal"):
     """The decoder (with its LM head, classification head, or none: `head`) in eval mode on
     `device`, with the engine's paged attention. A compressed-tensors checkpoint is dequantized
     as it loads (the engine requantizes it)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     kwargs = {**config.extra, "attn_implementation": prepare_load(config, model_dir)}
     if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
         try:
@@ -70,9 +75,7 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
             # transformers warns that the checkpoint's own quantization_config wins over ours,
             # of which only `dequantize` is read anyway: the intended outcome
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
-                   "base": AutoModel}[head]
-            model = cls.from_pretrained(
+            model = auto_class(head).from_pretrained(
                 model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
                 use_safetensors=None if config.allow_pickle else True, **kwargs)
     except Exception as exc:
@@ -107,12 +110,8 @@ def prepare_load(config: EngineConfig, model_dir: Path) -> str:
 def _import_model_code(hf_config) -> None:
     """Imports the module of the class a load builds from `hf_config` (nothing for remote code,
     or a config no auto class maps: the load finds those itself)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
-           "base": AutoModel}[model_head(hf_config)]
     try:
-        cls._model_mapping[type(hf_config)]
+        auto_class(model_head(hf_config))._model_mapping[type(hf_config)]
     except (KeyError, ValueError):
         pass
 
@@ -126,8 +125,6 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
     (engine.quantization.checkpoints) of a quantized checkpoint whose layers load as stored.
     `shard` (styles, sections, rank, n): a tensor-parallel rank's shard instead, each tensor cut
     to the rank's slice as it is read (a rank but 0 without the LM head)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     from engine.distributed.tensor_parallel import NoHead, ShardedFiles, rank_config
     from engine.quantization.checkpoints import PackedFormat
     from engine.quantization.streaming import load_quantized
@@ -135,7 +132,7 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
     attn = prepare_load(config, model_dir)
     if set(config.extra) - {"attn_implementation"} and not isinstance(packed, PackedFormat):
         return None
-    cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
+    cls = auto_class(head)
     hf_config, wrap, adapt, where = read_config(config, model_dir), None, None, ""
     if shard is not None:
         styles, sections, rank, n = shard
@@ -160,13 +157,10 @@ def load_model_quantized(config: EngineConfig, model_dir: Path, dtype, device, m
 def adapter_targets(config: EngineConfig, model_dir: Path) -> dict[str, tuple[int, int]]:
     """Module name -> (in, out) features of every projection a LoRA adapter may target in the model,
     from its config alone (built on the meta device: no weights read), as the engine names them."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     from engine.lora import adaptable, in_out
 
     hf_config = read_config(config, model_dir)
-    cls = {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification,
-           "base": AutoModel}[model_head(hf_config)]
+    cls = auto_class(model_head(hf_config))
     quiet_transformers()
     with torch.device("meta"):
         model = cls.from_config(hf_config, trust_remote_code=config.trust_remote_code)

@@ -23,7 +23,7 @@ from engine.models.tokenizer import StopStringChecker, Tokenizer
 from engine.sample.finish import finish_rows, stop_string_hits
 from engine.sample.logprobs import logprob_columns, record_logprobs, top_n
 from engine.sample.sampler import SamplingFlags, SamplingTensors
-from engine.sample.token_options import bias_rows, dynamic_bans, has_bias
+from engine.sample.token_options import bias_rows, dynamic_bans, has_bias, indexes_on
 
 
 @dataclass
@@ -183,10 +183,8 @@ class Batch:
         ban = None
         if self.flags.bad_words and seqs is not None:
             at, tokens = dynamic_bans(seqs)
-            if at:  # (on CUDA from pinned memory: a pageable copy would wait for the stream)
-                pair = torch.tensor([at, tokens], dtype=torch.int64)
-                if self.device.type == "cuda":
-                    pair = pair.pin_memory().to(self.device, non_blocking=True)
+            if at:
+                pair = indexes_on([at, tokens], self.device)
                 ban = (pair[0], pair[1])
         return {"st": st, "flags": self.flags, "steps": self.steps[rows],
                 "output_counts": self.output_counts[rows] if penalties else None,

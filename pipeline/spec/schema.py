@@ -178,7 +178,9 @@ class WorkersSpec(_Section):
 class JobSpec(_Section):
     model: str = Field(DEFAULT_MODEL, description="Hugging Face model id (org/name, from the hub cache or "
                        "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
-                       "gs://...) or builtin:tiny. An existing local path wins over an id of the same shape.")
+                       "gs://...), a .gguf file (local, s3://, gs://, or a Hub repo's as org/repo:Q4_K_M), or a "
+                       "builtin: smollm2-135m-instruct (the default, real weights), all-minilm-l6-v2 (embeddings), "
+                       "tiny (random weights, for tests). An existing local path wins over an id of the same shape.")
     task: Literal["generate", "label", "eval", "embed", "classify", "score"] = Field(
         "generate", description="generate = text per row; label = a label per row (by choice scoring or "
         "label_regex); eval = generate (or label) and score against a reference, with metrics.json; embed = an "

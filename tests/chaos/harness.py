@@ -90,7 +90,7 @@ FEW_TOKENS = 4
 
 
 def job_args(inp: str, out: str, *extra: str, tokens: int = MAX_TOKENS) -> list[str]:
-    return [sys.executable, "-m", "jobs.run", "--input", inp, "--output", out,
+    return [sys.executable, "-m", "jobs.run", "--model", "builtin:tiny", "--input", inp, "--output", out,
             "--set", f"workers.rows_per_batch={ROWS_PER_SHARD}", "--set", f"sampling.max_tokens={tokens}",
             "--set", "sampling.ignore_eos=true", *extra]
 

@@ -213,7 +213,7 @@ def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked,
     q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, Int8Linear)
     if kind == "int8":  # the same int8 values and scales
-        assert torch.equal(q_proj.qweight, packed[f"{name}.weight"])
+        assert torch.equal(q_proj.int8_weight(), packed[f"{name}.weight"])
         assert torch.equal(q_proj.scale, packed[f"{name}.weight_scale"].reshape(-1).to(q_proj.scale.dtype))
     # the same model with the dequantized weights, run in float32
     ref = LLMEngine(EngineConfig(model=str(dense_copy(src, packed, tmp_path / "dense"))))
@@ -306,7 +306,7 @@ def test_a_static_schemes_input_scales_quantize_the_activations_as_stored(peaked
     want = scales[name] * (1.0 if kind == "int8" else FP8_MAX / 127.0)
     assert float(layer.input_scale) == pytest.approx(want, rel=1e-6)
     x = torch.randn(5, layer.in_features) * 3 * float(packed[f"{name}.input_scale"]) * 127
-    by_hand = (torch.round(x / want).clamp(-127, 127) @ layer.qweight.float().T) * (want * layer.scale.float())
+    by_hand = (torch.round(x / want).clamp(-127, 127) @ layer.int8_weight().float().T) * (want * layer.scale.float())
     assert torch.allclose(layer(x), by_hand, atol=1e-4 * float(by_hand.abs().max()))
     compressed_checkpoint(src, tmp_path / "dynamic", kind)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -14,10 +14,12 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.api import DEFAULT_MODEL
 from engine.models import real_model_file, resolve_model_dir
+from parity import NEAR_TIE
 
 SMOLLM = "builtin:smollm2-135m-instruct"
 MINILM = "builtin:all-minilm-l6-v2"
-REFERENCES = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy.json").read_text())
+DATA = Path(__file__).resolve().parents[1] / "data"
+REFERENCES = json.loads((DATA / "smollm2_greedy.json").read_text())
 PARAPHRASES = [
     ("The cat sat on the warm windowsill all afternoon.", "A kitten was napping in a patch of sunlight."),
     ("The stock market fell sharply after the interest rate announcement.",
@@ -46,10 +48,18 @@ def test_the_default_model_is_smollm2_read_from_its_wheel():
 
 
 def _greedy_against_references(llm: LLMEngine, rows: list[dict]) -> None:
+    """Token for token; a divergence is forgiven only where transformers' own two best scores were
+    within NEAR_TIE (float rounding decides there), and in at most one row of 16."""
     params = SamplingParams(max_tokens=REFERENCES["max_tokens"], temperature=0.0, ignore_eos=True)
     outs = llm.generate([r["prompt_token_ids"] for r in rows], params)
+    forgiven = []
     for row, out in zip(rows, outs):
-        assert out.token_ids == row["token_ids"], row["prompt"]
+        if out.token_ids != row["token_ids"]:
+            step = next(i for i, (a, b) in enumerate(zip(out.token_ids, row["token_ids"])) if a != b)
+            gap = row["top2_gaps"][step]
+            assert gap < NEAR_TIE, f"{row['prompt']!r} diverges at step {step}, where transformers' gap is {gap}"
+            forgiven.append(row["prompt"])
+    assert len(forgiven) <= len(rows) // 16, forgiven
 
 
 def test_greedy_tokens_equal_transformers_gguf_load_on_a_few_chat_prompts(smollm):
@@ -94,10 +104,13 @@ def test_stop_strings_and_special_tokens_decode_as_transformers(smollm):
     row = REFERENCES["rows"][0]
     full = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
-    kept = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0,
-                                                                     skip_special_tokens=False))[0]
+    kept = smollm.generate([row["prompt_token_ids"]], SamplingParams(
+        max_tokens=32, temperature=0.0, skip_special_tokens=False, spaces_between_special_tokens=False))[0]
     assert kept.text == tok.decode(kept.token_ids, skip_special_tokens=False)
     assert kept.text.endswith("<|im_end|>")  # the EOS is ChatML's end of turn, kept when asked
+    spaced = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0,
+                                                                       skip_special_tokens=False))[0]
+    assert spaced.text == kept.text.replace("<|im_end|>", " <|im_end|>")  # vLLM's default spacing
     stopped = smollm.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=32, temperature=0.0,
                                                                         stop=["Paris"]))[0]
     assert stopped.finish_reason == "stop" and stopped.text == full.text.split("Paris")[0]
@@ -107,11 +120,14 @@ def test_minilm_embeddings_equal_sentence_transformers_and_rank_paraphrases():
     from sentence_transformers import SentenceTransformer
 
     sentences = [s for pair in PARAPHRASES for s in pair]
+    reviews = [json.loads(line)["review"] for line in (DATA / "sentiment.jsonl").read_text().splitlines()]
+    every = sentences + reviews + [r["prompt"] for r in REFERENCES["rows"]]  # 116 real sentences
     directory, _ = real_model_file(MINILM)
-    want = SentenceTransformer(str(directory), device="cpu").encode(sentences, batch_size=32)
-    got = np.asarray([o.embedding for o in LLMEngine(EngineConfig(model=MINILM)).embed(sentences)])
+    want = SentenceTransformer(str(directory), device="cpu").encode(every, batch_size=32)
+    got = np.asarray([o.embedding for o in LLMEngine(EngineConfig(model=MINILM)).embed(every)])
     cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosine.min() >= 0.99999
+    got = got[:len(sentences)]
     sims = got @ got.T
     np.fill_diagonal(sims, -1)
     partner = np.arange(len(sentences)) ^ 1

@@ -26,7 +26,7 @@ def test_the_manifest_points_to_an_index_in_several_files(tmp_path, monkeypatch)
     for f in range(3):
         write_jsonl(tmp_path / "in" / f"{f}.jsonl", [{"prompt": f"{f} {i}"} for i in range(5)])
     out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "in", "--output", out, "--set", "workers.rows_per_batch=2",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.rows_per_batch=2",
                      "--set", "sampling.max_tokens=1")
     assert code == 0, text
     manifest = json.loads((out / "manifest.json").read_text())
@@ -51,7 +51,7 @@ def test_an_earlier_layout_resumes_with_its_row_count_shards(tmp_path):
     out.mkdir()
     (out / "_job.json").write_text(json.dumps({"fingerprint": spec.fingerprint(), "created": 1.0,
                                                "spec": spec.model_dump(mode="json")}))
-    args = ["--input", tmp_path / "in.jsonl", "--output", out, *[a for s in settings for a in ("--set", s)]]
+    args = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, *[a for s in settings for a in ("--set", s)]]
     assert run(*args)[0] == 0
     parts = sorted((out / "data").iterdir())
     assert len(parts) == 3
@@ -70,7 +70,7 @@ def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path)
     out.mkdir()
     (out / "_job.json").write_text(json.dumps({"fingerprint": "0123456789abcdef", "created": 1.0,
                                                "spec": {"output": {"format": "parquet"}}}))
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", out)
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 1 and len(errors) == 1 and "--set workers.rows_per_batch=256" in errors[0], text
     assert not (out / "data").exists()

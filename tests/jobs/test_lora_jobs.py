@@ -161,3 +161,24 @@ def test_openai_batch_lines_name_their_adapter_by_body_model(family, tmp_path):
     assert all(got[f"r{i}"]["error"] is None for i in range(3))
     assert got["r0"]["generated_text"] != got["r1"]["generated_text"] or got["r2"]["generated_text"] != got["r1"][
         "generated_text"]
+
+
+def test_lora_each_with_an_id_column_counts_each_input_id_once(family, tmp_path):
+    """lora.each plans each shard once per adapter; the unique-id check read every unit and found
+    each id four times (`duplicate id 'r09'`), so any such job with input.id_column failed."""
+    base, folder = family
+    write_jsonl(tmp_path / "in.jsonl", [{**row, "id": f"r{i:02d}"} for i, row in
+                                        enumerate(ROWS + ROWS[:4])])
+    spec = spec_for(base, tmp_path / "in.jsonl", tmp_path / "out", path=str(folder), each=True, include_base=True)
+    spec["input"]["id_column"] = "id"
+    result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
+    assert result.status == "complete" and result.rows == 48
+    out = read_output(tmp_path / "out")
+    assert Counter(zip(out["id"].to_pylist(), out["adapter"].to_pylist())) == Counter(
+        (f"r{i:02d}", a) for i in range(12) for a in (None, "ft0", "ft1", "ft2"))
+    duplicated = tmp_path / "dup.jsonl"
+    write_jsonl(duplicated, [{**row, "id": "same" if i in (3, 7) else f"r{i}"} for i, row in enumerate(ROWS)])
+    spec = spec_for(base, duplicated, tmp_path / "out2", path=str(folder), each=True, include_base=True)
+    spec["input"]["id_column"] = "id"
+    with pytest.raises(JobError, match="duplicate id 'same'"):
+        run_job(Job.of(validate(spec)), progress=lambda msg: None)

@@ -115,7 +115,7 @@ def test_submit_with_the_cli_succeeds_with_complete_output(cluster, tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"submitted {i}"} for i in range(20)])
     out = tmp_path / "out"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
-           "--submission-id", "batchinfer-ok", "--", "python", "-m", "jobs.run", "--input",
+           "--submission-id", "batchinfer-ok", "--", "python", "-m", "jobs.run", "--model", "builtin:tiny", "--input",
            str(tmp_path / "in.jsonl"), "--output", str(out), "--set", "sampling.max_tokens=4",
            "--set", "workers.rows_per_batch=7"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -163,7 +163,7 @@ def test_run_with_address_uses_the_existing_cluster(cluster, tmp_path):
     _, client, gcs_port = cluster
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"attached {i}"} for i in range(6)])
     out = tmp_path / "out"
-    done = subprocess.run([str(BIN / "batchinfer"), "run", "--address", f"127.0.0.1:{gcs_port}", "--input",
+    done = subprocess.run([str(BIN / "batchinfer"), "run", "--address", f"127.0.0.1:{gcs_port}", "--model", "builtin:tiny", "--input",
                            str(tmp_path / "in.jsonl"), "--output", str(out), "--set", "sampling.max_tokens=3"],
                           capture_output=True, text=True, timeout=600, env=os.environ | CLIENT_ENV)
     assert done.returncode == 0, done.stdout + done.stderr

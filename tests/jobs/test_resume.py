@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def job_cmd(inp: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "jobs.run", "--input", str(inp), "--output", str(out),
+    return [sys.executable, "-m", "jobs.run", "--model", "builtin:tiny", "--input", str(inp), "--output", str(out),
             "--set", "workers.rows_per_batch=8", "--set", "sampling.max_tokens=48",
             "--set", "sampling.ignore_eos=true", "--set", "workers.num=1"]
 
@@ -127,7 +127,7 @@ def test_openai_batch_output_and_usage_after_an_interrupted_run_and_resume(tmp_p
                "--set", "max_error_rate=1", "--set", f"workers.rows_per_batch={per_shard}",
                "--set", "sampling.max_tokens=4"]
     out = tmp_path / "out"
-    args = ["--input", str(tmp_path / "requests.jsonl"), "--output", str(out), *options]
+    args = ["--model", "builtin:tiny", "--input", str(tmp_path / "requests.jsonl"), "--output", str(out), *options]
     # The first run starts its own Ray (a run that fails inside the session's Ray can leave its
     # actor alive there); each shard waits 0.3 s before its commit, so the interrupt lands mid-job.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | hook_env("shard:sleep=0.3")

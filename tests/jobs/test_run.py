@@ -28,7 +28,7 @@ def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
         rows = [{"prompt": f"file {f} row {i}", "n": i, "meta": {"f": f}} for i in range(25)]
         write_jsonl(tmp_path / "in" / f"part{f}.jsonl", rows)
     out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
                      "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
     assert code == 0, text
     table = read_output(out)
@@ -46,7 +46,7 @@ def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
     assert "rows" in text and "75" in text  # summary table
 
     before = {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()}
-    code, text = run("--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
                      "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
     assert code == 0 and "nothing to do" in text
     assert {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()} == before
@@ -60,6 +60,7 @@ def test_parquet_template_id_column_and_jsonl_output(tmp_path):
         pq.write_table(table, tmp_path / "in" / f"{f}.parquet", row_group_size=5)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"""
+model: builtin:tiny
 input: {{path: {tmp_path / 'in'}, template: "Q: {{question}}\\nA:", id_column: qid, columns: [answer]}}
 output: {{path: {tmp_path / 'out'}, format: jsonl}}
 sampling: {{max_tokens: 4, temperature: 0.0}}
@@ -79,7 +80,7 @@ def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
     rows = [{"prompt": "fine"}, {"prompt": None}, {"prompt": ""}, {"prompt": 7}, {"prompt": "x" * 5000}]
     write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
                      "--set", "engine.max_model_len=1024")
     assert code == 3, text
     assert "4 of 5 rows failed" in text and "prompt is null" in text
@@ -92,7 +93,7 @@ def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
     assert by_id["in.jsonl:3"]["error"] == "prompt must be text, got int"
     assert "max_model_len (1024)" in by_id["in.jsonl:4"]["error"]
     # Accepting the errors: the same output completes without generating anything again.
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
                      "--set", "engine.max_model_len=1024", "--set", "max_error_rate=0.9")
     assert code == 0 and (out / "_SUCCESS").exists() and "(0 this run)" in text
 
@@ -100,7 +101,7 @@ def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
 @pytest.mark.parametrize("case", ["no_files", "missing_column", "missing_model", "bad_template"])
 def test_fatal_problems_fail_fast_with_one_line(tmp_path, case):
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"text": "hi"}])
-    args = ["--input", tmp_path / "in", "--output", tmp_path / "out", "--set", "input.prompt_column=text"]
+    args = ["--model", "builtin:tiny", "--input", tmp_path / "in", "--output", tmp_path / "out", "--set", "input.prompt_column=text"]
     expected = {"no_files": "no input files", "missing_column": "input column 'prompt' not found in a.jsonl",
                 "missing_model": "model directory not found", "bad_template": "not allowed"}[case]
     if case == "no_files":
@@ -121,7 +122,7 @@ def test_fatal_problems_fail_fast_with_one_line(tmp_path, case):
 
 def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
-    base = ["--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "sampling.max_tokens=3"]
+    base = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "sampling.max_tokens=3"]
     assert run(*base)[0] == 0
     code, text = run(*base[:-1], "sampling.max_tokens=5")
     assert code == 1 and "different job spec" in text and "--overwrite" in text
@@ -138,7 +139,7 @@ def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
 def test_duplicate_ids_are_fatal_and_named(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
                                         {"id": "a", "prompt": "z"}])
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out",
                      "--set", "input.id_column=id", "--set", "sampling.max_tokens=2")
     assert code == 1 and "duplicate id 'a'" in text, text
 
@@ -151,7 +152,7 @@ def test_s3_input_to_s3_output(tmp_path, s3_server):
     for f in range(2):
         fs.pipe(f"batchinfer-test/in/{f}.jsonl",
                 "".join(json.dumps({"prompt": f"s3 {f} {i}"}) + "\n" for i in range(8)).encode())
-    code, text = run("--input", "s3://batchinfer-test/in/", "--output", "s3://batchinfer-test/out/",
+    code, text = run("--model", "builtin:tiny", "--input", "s3://batchinfer-test/in/", "--output", "s3://batchinfer-test/out/",
                      "--set", "workers.rows_per_batch=5", "--set", "sampling.max_tokens=3")
     assert code == 0, text
     assert fs.exists("batchinfer-test/out/_SUCCESS")
@@ -169,7 +170,7 @@ def test_s3_input_to_s3_output(tmp_path, s3_server):
 def test_validate_counts_rows_without_generating(tmp_path):
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"prompt": str(i)} for i in range(7)])
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"prompt": str(i)} for i in range(5)])
-    result = CliRunner().invoke(main, ["validate", "--input", str(tmp_path / "in"), "--output",
+    result = CliRunner().invoke(main, ["validate", "--model", "builtin:tiny", "--input", str(tmp_path / "in"), "--output",
                                        str(tmp_path / "out"), "--set", "workers.rows_per_batch=4"])
     assert result.exit_code == 0, result.output
     assert "ok: 2 files, 12 rows" in result.output and "4 shards" in result.output
@@ -178,7 +179,7 @@ def test_validate_counts_rows_without_generating(tmp_path):
 
 def test_validate_makes_the_checks_of_run(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-    result = CliRunner().invoke(main, ["validate", "--input", str(tmp_path / "in.jsonl"),
+    result = CliRunner().invoke(main, ["validate", "--model", "builtin:tiny", "--input", str(tmp_path / "in.jsonl"),
                                        "--output", str(tmp_path / "out")])
     assert result.exit_code == 1 and "input column 'prompt' not found in in.jsonl" in result.output, result.output
 
@@ -186,14 +187,14 @@ def test_validate_makes_the_checks_of_run(tmp_path):
 def test_unwritable_output_is_fatal(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     (tmp_path / "file").write_text("not a directory")
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "file" / "out")
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "file" / "out")
     assert code == 1 and "cannot write to output" in text, text
 
 
 def test_cost_and_throughput_report(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"cost {i}"} for i in range(12)])
     out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=5",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=5",
                      "--set", "report.price_per_hour=3.5", "--set", "workers.rows_per_batch=5")
     assert code == 0, text
     usage = json.loads((out / "manifest.json").read_text())["usage"]
@@ -230,7 +231,7 @@ def test_a_live_run_lock_blocks_a_second_run_and_a_stale_one_is_taken_over(tmp_p
     out.mkdir()
     lock = {"owner": "scheduler-2:4242:abcd", "host": "scheduler-2", "pid": 4242, "heartbeat": time.time()}
     (out / "_lock.json").write_text(json.dumps(lock))
-    args = ["--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2",
+    args = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2",
             "--set", "output.lock_stale_after_s=60"]
     code, text = run(*args)
     assert code == 1 and "another run (scheduler-2:4242:abcd" in text
@@ -247,7 +248,7 @@ def test_scheduling_modes_write_the_same_rows(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i} " + "x" * (i % 7)} for i in range(20)])
     texts = {}
     for mode in ("static", "continuous"):
-        code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / mode,
+        code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / mode,
                          "--set", f"engine.scheduling={mode}", "--set", "engine.max_batch_tokens=300",
                          "--set", "sampling.max_tokens=12", "--set", "sampling.temperature=0.8")
         assert code == 0, text
@@ -263,7 +264,7 @@ def test_scheduling_modes_write_the_same_rows(tmp_path):
 def test_actors_that_cannot_fit_the_cluster_fail_at_once_in_one_line(tmp_path, setting, named):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     start = time.time()
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", setting)
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", setting)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 1 and len(errors) == 1 and named in errors[0], text
     assert time.time() - start < 30
@@ -276,7 +277,7 @@ def test_a_shared_instruction_prefix_is_computed_once_and_reported(tmp_path):
     instructions = "Classify the sentiment of the following product review as positive or negative. " * 2
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{instructions}Review {i}: it was fine."} for i in range(12)])
     out = tmp_path / "out"
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2")
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2")
     assert code == 0, text
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["cached_prompt_tokens"] > 0 and 0.5 < manifest["prefix_cache_hit_rate"] < 1

@@ -22,7 +22,7 @@ from pipeline.tasks import normalize, row_seed
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 N, TOKENS = 3, 2
-SECTIONS = {"task": "eval", "sampling": {"n": N, "max_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True},
+SECTIONS = {"model": "builtin:tiny", "task": "eval", "sampling": {"n": N, "max_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True},
             "eval": {"reference_column": "answer", "metrics": ["contains"], "group_column": "topic", "k": [1, 2, 3]},
             "engine": {"max_batch_tokens": 2048}, "workers": {"num": 1, "rows_per_batch": 2}}
 

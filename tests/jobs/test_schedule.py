@@ -39,7 +39,7 @@ def test_airflow_dag_renders_the_same_command():
 def test_cron_script_runs_into_a_dated_prefix_and_passes_exit_codes_through(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"cron {i}"} for i in range(5)])
     spec = tmp_path / "job.yaml"
-    spec.write_text(f"input: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: unused/}}\n"
+    spec.write_text(f"model: builtin:tiny\ninput: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: unused/}}\n"
                     "sampling: {max_tokens: 3}\n")
     script = ROOT / "scripts" / "cron_example.sh"
     done = subprocess.run(["bash", str(script), str(spec), str(tmp_path / "daily"), "2026-11-30"],

@@ -20,7 +20,7 @@ def test_defaults_come_from_the_engine_dataclasses():
     assert set(s.sampling.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)}
     for name in s.engine.model_fields:
         assert getattr(s.engine, name) == getattr(EngineConfig(), name)
-    assert s.model == "builtin:tiny" and s.workers.cpus < 1
+    assert s.model == "builtin:smollm2-135m-instruct" and s.workers.cpus < 1
 
 
 @pytest.mark.parametrize("override,message", [
@@ -124,7 +124,7 @@ def test_fingerprint_of_a_spec_written_before_the_task_fields_is_unchanged():
     output resumes with that row count set (tests/jobs/test_layout.py: the refusal says so), or through
     the spec it recorded. Since 2026-12-04 the shard settings count as at their defaults: the value
     is among those accepted."""
-    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
+    spec = {"model": "builtin:tiny", "input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
             "workers": {"rows_per_batch": 256}}
     assert "aaf815c29dd0473d" in validate(spec).accepted_fingerprints()
     assert "aaf815c29dd0473d" not in validate({**spec, "workers": {}}).accepted_fingerprints()
@@ -136,7 +136,7 @@ def test_fields_that_never_change_a_row_count_no_more_and_outputs_that_counted_t
     (ignored), cache_dir and allow_pickle never change a row: they count as at their defaults.
     An output whose fingerprint counted them resumes: the values are those the previous version
     computed (2026-12-01), and renaming max_prefill_tokens as its warning says keeps the output."""
-    spec = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
+    spec = {"model": "builtin:tiny", "input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
             "workers": {"rows_per_batch": 256}}
     earlier = {"d4a74a0721547478": {"max_prefill_tokens": 512}, "6595b856724a8335": {"cache_dir": "/tmp/hf",
                "allow_pickle": True}, "5b9c99d902374a4e": {"prefix_cache_tokens": 4096}}

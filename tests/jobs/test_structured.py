@@ -253,7 +253,7 @@ def test_a_job_whose_structured_rows_are_cut_fails_on_max_error_rate(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(3)])
     (tmp_path / "long.json").write_text(json.dumps(
         {"type": "object", "properties": {"t": {"type": "string", "minLength": 40}}, "required": ["t"]}))
-    (tmp_path / "job.yaml").write_text(f"input: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
+    (tmp_path / "job.yaml").write_text(f"model: builtin:tiny\ninput: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
                                        "sampling: {max_tokens: 6, structured_outputs: {json: long.json}}\n")
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml")], catch_exceptions=False)
     assert result.exit_code == 3, result.output

@@ -39,6 +39,7 @@ def test_messages_column_with_system_prompt_and_few_shot(tmp_path, tiny):
     write_jsonl(tmp_path / "in.jsonl", rows)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"""
+model: builtin:tiny
 input: {{path: {tmp_path / 'in.jsonl'}, messages_column: messages, id_column: id,
         system_prompt: "Answer briefly.", few_shot: [{{user: "1+1?", assistant: "2"}}]}}
 output: {{path: {tmp_path / 'out'}}}
@@ -85,7 +86,7 @@ def test_label_by_choice_scoring_is_the_argmax_of_transformers_loglikelihoods(tm
     prompts = [f"Review {i}: {'great' if i % 2 else 'awful'} stuff. Sentiment:" for i in range(6)]
     write_jsonl(tmp_path / "in.jsonl", [{"text": p, "opts": ["yes", "no", "maybe"]} for p in prompts])
     choices = ["positive", "negative", "neutral"]
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "task=label",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "task=label",
                      "--set", "input.prompt_column=text", "--set", f"label.choices={json.dumps(choices)}")
     assert code == 0, text
     rows = read_output(tmp_path / "out").to_pylist()
@@ -101,7 +102,7 @@ def test_label_by_choice_scoring_is_the_argmax_of_transformers_loglikelihoods(tm
         assert row["generated_text"] == row["label"] and row["num_generated_tokens"] == 0
 
     # per-row choices from a column, picked by mean log-likelihood per token
-    code, text = run("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out2", "--set", "task=label",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out2", "--set", "task=label",
                      "--set", "input.prompt_column=text", "--set", "label.choices_column=opts",
                      "--set", "label.length_normalize=true")
     assert code == 0, text
@@ -112,7 +113,7 @@ def test_label_by_choice_scoring_is_the_argmax_of_transformers_loglikelihoods(tm
 
 def test_label_regex_parses_generated_text_and_notes_misses(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(4)])
-    common = ("--input", tmp_path / "in.jsonl", "--set", "task=label", "--set", "sampling.max_tokens=4",
+    common = ("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--set", "task=label", "--set", "sampling.max_tokens=4",
               "--set", "sampling.ignore_eos=true")
     code, text = run(*common, "--output", tmp_path / "hit", "--set", "label.label_regex='(?s)^(.)'")
     assert code == 0, text
@@ -144,7 +145,7 @@ def test_eval_metrics_file_is_exact_and_a_resumed_job_reports_the_same(tmp_path)
     prompts = [f"question {i}?" for i in range(8)]
     write_jsonl(tmp_path / "gen.jsonl", [{"prompt": p} for p in prompts])
     sampling = ("--set", "sampling.max_tokens=3", "--set", "sampling.ignore_eos=true", "--set", "sampling.temperature=0")
-    code, text = run("--input", tmp_path / "gen.jsonl", "--output", tmp_path / "gen", *sampling)
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "gen.jsonl", "--output", tmp_path / "gen", *sampling)
     assert code == 0, text
     outputs = {r["id"]: r["generated_text"] for r in read_output(tmp_path / "gen").to_pylist()}
     answers = [outputs[f"gen.jsonl:{i}"] for i in range(8)]
@@ -152,7 +153,7 @@ def test_eval_metrics_file_is_exact_and_a_resumed_job_reports_the_same(tmp_path)
     refs = answers[:3] + ["nope"] + answers[4:6] + ["nope", None]
     rows = [{"prompt": p, "answer": r, "topic": "A" if i < 4 else "B"} for i, (p, r) in enumerate(zip(prompts, refs))]
     write_jsonl(tmp_path / "eval" / "eval.jsonl", rows)
-    args = ("--input", tmp_path / "eval", "--output", tmp_path / "out", "--set", "task=eval",
+    args = ("--model", "builtin:tiny", "--input", tmp_path / "eval", "--output", tmp_path / "out", "--set", "task=eval",
             "--set", "eval.reference_column=answer", "--set", "eval.group_column=topic",
             "--set", "workers.rows_per_batch=3", *sampling)
     code, text = run(*args)
@@ -231,7 +232,7 @@ def check_batch_output(lines: list[dict], errors: list[dict]) -> None:
 @pytest.mark.slow  # its fast sibling: test_openai_batch_on_object_storage checks the same lines through S3
 def test_openai_batch_file_in_and_out(tmp_path):
     write_jsonl(tmp_path / "requests.jsonl", batch_lines())
-    args = ("--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--set", "input.format=openai_batch",
+    args = ("--model", "builtin:tiny", "--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out", "--set", "input.format=openai_batch",
             "--set", "output.format=openai_batch", "--set", "max_error_rate=1")
     code, text = run(*args)
     assert code == 0, text
@@ -261,7 +262,7 @@ def test_duplicate_custom_id_is_fatal_and_named(tmp_path):
     lines = batch_lines()[:2]
     lines[1]["custom_id"] = "req-chat"
     write_jsonl(tmp_path / "requests.jsonl", lines)
-    code, text = run("--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out",
+    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out",
                      "--set", "input.format=openai_batch")
     assert code == 1 and "req-chat" in text and "duplicate" in text
 
@@ -272,7 +273,7 @@ def test_openai_batch_on_object_storage(tmp_path, s3_server):
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
     fs.mkdir("batchinfer-openai")
     fs.pipe("batchinfer-openai/requests.jsonl", "".join(json.dumps(x) + "\n" for x in batch_lines()).encode())
-    code, text = run("--input", "s3://batchinfer-openai/requests.jsonl", "--output", "s3://batchinfer-openai/out/",
+    code, text = run("--model", "builtin:tiny", "--input", "s3://batchinfer-openai/requests.jsonl", "--output", "s3://batchinfer-openai/out/",
                      "--set", "input.format=openai_batch", "--set", "output.format=openai_batch",
                      "--set", "max_error_rate=1")
     assert code == 0, text
@@ -339,7 +340,7 @@ def test_empty_and_failed_shards_keep_one_schema_and_eval_completes(tmp_path):
             {"prompt": "bad", "opts": "not a list", "answer": "a"}, {"prompt": "worse", "opts": [], "answer": "b"}]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n\n")  # blank lines: an empty last shard
-    code, text = run("--input", path, "--output", tmp_path / "out", "--set", "task=eval",
+    code, text = run("--model", "builtin:tiny", "--input", path, "--output", tmp_path / "out", "--set", "task=eval",
                      "--set", "label.choices_column=opts", "--set", "eval.reference_column=answer",
                      "--set", "eval.metrics=[accuracy]", "--set", "workers.rows_per_batch=2",
                      "--set", "max_error_rate=1", "--set", "input.columns=[prompt]")

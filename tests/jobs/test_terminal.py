@@ -54,7 +54,7 @@ def test_a_plain_run_off_a_terminal_prints_only_its_own_lines(tmp_path):
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": f"a{i}", "prompt": f"row {i}"} for i in range(8)])
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": f"b{i}", "prompt": f"row {i}"} for i in range(8)])
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TOKENIZERS_PARALLELISM": "false"}
-    args = [sys.executable, "-m", "jobs.run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+    args = [sys.executable, "-m", "jobs.run", "--model", "builtin:tiny", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
             "--set", "model=builtin:echo", "--set", "workers.num=2", "--set", "workers.rows_per_batch=4",
             "--set", "input.id_column=id"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

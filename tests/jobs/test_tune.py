@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 def spec_file(tmp_path, extra: str = "") -> str:
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"tell me about number {i}" + "!" * (5 * (i % 5))} for i in range(12)])
     path = tmp_path / "job.yaml"
-    path.write_text(f"input: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
+    path.write_text(f"model: builtin:tiny\ninput: {{path: {tmp_path / 'in.jsonl'}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
                     f"sampling: {{max_tokens: 6, temperature: 0}}\n{extra}")
     return str(path)
 

@@ -22,7 +22,7 @@ from pipeline.spec.fingerprint import fingerprint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-BASE = {"input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
+BASE = {"model": "builtin:tiny", "input": {"path": "in.jsonl", "template": "{q}"}, "output": {"path": "o"}, "sampling": {"max_tokens": 5},
         "workers": {"rows_per_batch": 256}}
 PREVIOUS = {"48fb49df0b1679aa": {"max_num_seqs": 32}, "3e3d293160cfec5b": {"scheduling": "continuous"},
             "22d166dbbcfbaa42": {"max_batch_tokens": 4096}, "19c206f111f1f98c": {"enforce_eager": True},
@@ -69,7 +69,7 @@ def test_a_resume_keeps_the_shards_its_output_started_with():
 @pytest.mark.slow  # three job runs (~30 s); the fast sibling is the test above
 def test_a_half_finished_job_resumes_with_each_tuning_setting_changed(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "in.jsonl", [{"q": f"row {i} " + "x" * i} for i in range(8)])
-    spec = {"input": {"path": str(tmp_path / "in.jsonl"), "template": "{q}"}, "sampling": {"max_tokens": 6},
+    spec = {"model": "builtin:tiny", "input": {"path": str(tmp_path / "in.jsonl"), "template": "{q}"}, "sampling": {"max_tokens": 6},
             "workers": {"rows_per_batch": 2}}
     whole = run_job(Job.of(validate({**spec, "output": {"path": str(tmp_path / "whole")}})), progress=lambda m: None)
     assert whole.status == "complete"

@@ -62,8 +62,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu" and self.input_scale is None and cpu_int8_kernel() == "fbgemm":
-            y = self._fbgemm(x2)
+        if x2.device.type == "cpu" and self.input_scale is None and cpu_int8_kernel() == "x86":
+            y = self._x86(x2)
         elif int_mm_runs(x2.device, self.out_features, self.in_features):
             x_scale = (x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0  # (M, 1)
                        if self.input_scale is None else self.input_scale)
@@ -79,11 +79,13 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _fbgemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """fbgemm's int8 GEMM (AVX2), per token as the _int_mm path: each row is divided by its
-        largest |value| and a row holding +1 and -1 is appended, so the kernel's dynamic
-        per-tensor range is [-1, 1] in any batch, whatever rows share it (7-bit activations:
-        fbgemm's reduced range, which its AVX2 kernel needs against saturation)."""
+    def _x86(self, x2: torch.Tensor) -> torch.Tensor:
+        """torch's x86 quantized engine's dynamic int8 linear (fbgemm's AVX2 GEMM), per token as
+        the _int_mm path: each row is divided by its largest |value| and a row holding +1 and -1
+        is appended, so the kernel's dynamic per-tensor range is [-1, 1] whatever rows share the
+        pass. Its activations have 7 bits (the reduced range: without VNNI, fbgemm's AVX2 kernel
+        adds pairs of uint8 x int8 products in int16, which a full 8-bit range saturates;
+        measured here: wrong outputs), a step of 2/127 against the per-token int8 step of 1/127."""
         packed = self.__dict__.get("_packed")
         if packed is None:
             packed = self._pack()
@@ -96,14 +98,19 @@ class Int8Linear(nn.Module):
         return (y * scale).to(x2.dtype)
 
     def _pack(self):
-        """The int8 weight in fbgemm's packed layout; the plain copy is dropped (int8_weight()
-        unpacks it), so the weights are held once."""
+        """The int8 weight in the x86 engine's packed layout; the plain copy is dropped
+        (int8_weight() unpacks it), so the weights are held once."""
+        engine = torch.backends.quantized.engine
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's quantized tensors are deprecated, fbgemm's GEMM is not replaced
+            warnings.simplefilter("ignore")  # torch's quantized tensors are deprecated, their GEMMs not replaced
             scales = self.scale.double()
             qt = torch._make_per_channel_quantized_tensor(self.qweight, scales, torch.zeros_like(scales, dtype=torch.long),
                                                            0)
-            packed = torch.ops.quantized.linear_prepack(qt, None)
+            try:
+                torch.backends.quantized.engine = "x86"
+                packed = torch.ops.quantized.linear_prepack(qt, None)
+            finally:
+                torch.backends.quantized.engine = engine
         self.__dict__["_packed"] = packed
         self._buffers["qweight"] = None
         return packed
@@ -122,26 +129,26 @@ class Int8Linear(nn.Module):
 
 
 _BOUNDS: dict[int, torch.Tensor] = {}
-"""in_features -> the row appended to fbgemm's input (+1 and -1): its range, fixed."""
+"""in_features -> the row appended to the x86 engine's input (+1 and -1): its range, fixed."""
 _CPU_INT8: list[str] = []
 
 
 def cpu_int8_kernel() -> str:
     """Which int8 GEMM a CPU Int8Linear runs: `onednn` (torch._int_mm) where the CPU has VNNI or
-    AMX int8, `fbgemm` (its AVX2 kernel) on other x86 CPUs with AVX2: there oneDNN's int8 GEMM
-    measured 10-13x slower than float32 (an AVX2 EPYC, 2 threads, SmolLM2's shapes), fbgemm's
-    1.1-1.7x faster. BATCHINFER_CPU_INT8=onednn|fbgemm chooses."""
+    AMX int8, `x86` (torch's x86 quantized engine: fbgemm's AVX2 kernel) on other x86 CPUs with
+    AVX2: there oneDNN's int8 GEMM measured 10-13x slower than float32 (an AVX2 EPYC, 2 threads,
+    SmolLM2's shapes), the x86 engine's 1.1-1.7x faster. BATCHINFER_CPU_INT8=onednn|x86 chooses."""
     if not _CPU_INT8:
         chosen = os.environ.get("BATCHINFER_CPU_INT8", "").strip().lower()
-        if chosen not in ("onednn", "fbgemm"):
+        if chosen not in ("onednn", "x86"):
             try:
                 with open("/proc/cpuinfo") as f:
                     flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
             except OSError:
                 flags = []
             vnni = any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-            fbgemm = "fbgemm" in torch.backends.quantized.supported_engines and "avx2" in flags
-            chosen = "fbgemm" if fbgemm and not vnni else "onednn"
+            x86 = "x86" in torch.backends.quantized.supported_engines and "avx2" in flags
+            chosen = "x86" if x86 and not vnni else "onednn"
         _CPU_INT8.append(chosen)
         log.info("CPU int8 GEMM: %s", chosen)
     return _CPU_INT8[0]

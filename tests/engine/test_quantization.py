@@ -77,15 +77,35 @@ def _plain_logits(llm, ids):
         return model(ids).logits
 
 
-def test_int8_linear_equals_its_dequantized_weights():
+@pytest.mark.parametrize("kernel", ["onednn", "x86"])
+def test_int8_linear_equals_its_dequantized_weights(kernel, monkeypatch):
+    """Both CPU int8 GEMMs against torch's own definition of what they compute: oneDNN's
+    _int_mm on int8 activations per token; the x86 engine's dynamic quantization (torch's
+    quantize_per_tensor with the qparams it chooses, 7 bits) of each row over its largest value,
+    in a [-1, 1] range."""
     from transformers.pytorch_utils import Conv1D
 
+    from engine.quantization import methods
+
+    if kernel == "x86" and "x86" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no x86 quantized engine")
+    monkeypatch.setattr(methods, "_CPU_INT8", [kernel])
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
     q = Int8Linear(lin.weight, lin.bias, torch.float32)
     x = torch.randn(5, 64)
-    x_scale = x.abs().amax(dim=1, keepdim=True) / 127  # on CPU activations are int8 per token too
-    want = (torch.round(x / x_scale) * x_scale) @ q.dequantized().T + lin.bias
+    if kernel == "onednn":
+        x_scale = x.abs().amax(dim=1, keepdim=True) / 127  # on CPU activations are int8 per token too
+        seen = torch.round(x / x_scale) * x_scale
+    else:
+        rows = x.abs().amax(dim=1, keepdim=True)
+        bounds = torch.zeros(1, 64)
+        bounds[0, 0], bounds[0, -1] = 1.0, -1.0
+        xn = torch.cat([x / rows, bounds])
+        scale, zero = torch._choose_qparams_per_tensor(xn, True)  # 7 bits: the reduced range
+        seen = torch.quantize_per_tensor(xn, scale, zero, torch.quint8).dequantize()[:-1] * rows
+        assert torch.equal(q(x[:2]), q(torch.cat([x[:2], x[2:] * 100]))[:2])  # a row's output: not its batch's
+    want = seen @ q.dequantized().T + lin.bias
     assert torch.allclose(q(x), want, atol=1e-4)
     assert (q.dequantized() - lin.weight).abs().max() <= lin.weight.abs().max() / 127 / 2 + 1e-6
     conv = Conv1D(48, 64)  # GPT-2 stores (in, out)
@@ -233,7 +253,10 @@ def test_w8a8_agreement_is_reported_next_to_ideal_roundings(tiny_model_dir, tmp_
     beside ideal rounding's: the same weights with each linear layer's inputs rounded per token to
     int8, in float32 arithmetic (what exact int8 products give). On a random model (not a peaked
     one), where rounding the activations flips some rows. The engine's products run in int8
-    (torch._int_mm): it must agree as often as ideal rounding does, within one row."""
+    (torch._int_mm; where the CPU has no VNNI, the x86 engine's GEMM on 7-bit activations, and
+    ideal rounding is then to that grid): it must agree as often as ideal rounding does, within one row."""
+    from engine.quantization.methods import cpu_int8_kernel
+
     from transformers import AutoModelForCausalLM
 
     src = tiny_model_dir(arch)
@@ -251,9 +274,17 @@ def test_w8a8_agreement_is_reported_next_to_ideal_roundings(tiny_model_dir, tmp_
                                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
         return outs
 
+    seven_bits = cpu_int8_kernel() == "x86"
+
     def round_per_token(module, args):
         x = args[0]
-        step = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        rows = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        if seven_bits:  # the step of uint8 0..127 over [-1, 1] (zero point 64), as torch chooses for the x86
+            bounds = torch.tensor([[1.0, -1.0]])  # engine (+1 rounds to 128: quantize_per_tensor clamps to 255)
+            scale, zero = torch._choose_qparams_per_tensor(bounds, True)
+            q = torch.clamp(torch.round(x / rows / scale) + zero, 0, 255)
+            return ((q - zero) * scale * rows,)
+        step = rows / 127
         return (torch.round(x / step).clamp(-127, 127) * step,)
 
     want = greedy(ref)
@@ -419,13 +450,15 @@ def test_layers_whose_shapes_the_cuda_kernels_refuse_stay_in_the_models_dtype():
     assert quantizer("fp8", "q_proj", torch.nn.Linear(64, 48), None, torch.bfloat16, cuda) is not None
 
 
-def test_a_gguf_file_or_directory_is_refused_in_one_line_naming_the_method(tmp_path):
+def test_a_gguf_file_or_a_directory_holding_one_is_read_and_a_cut_one_refused_in_one_line(tmp_path):
+    """GGUF is a model format now (tests/engine/test_gguf.py); a file cut after its header's
+    first bytes, named or found alone in a directory, is refused naming it."""
     from engine.api.errors import ModelLoadError
 
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    header = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (5).to_bytes(8, "little")
+    (tmp_path / "model-Q4_K_M.gguf").write_bytes(header + b"\x00" * 6)  # five keys promised, none there
     for ref in (tmp_path, tmp_path / "model-Q4_K_M.gguf"):
         with pytest.raises(ModelLoadError) as err:
             LLMEngine(EngineConfig(model=str(ref)))
         said = str(err.value)
-        assert "quantization method 'gguf' is not supported (model-Q4_K_M.gguf)" in said and "\n" not in said
+        assert "model-Q4_K_M.gguf: truncated GGUF file" in said and "\n" not in said

@@ -38,7 +38,11 @@ class OutputCheck:
         self.pattern = None
         self.choices = None
         if params.json is not None or params.json_object:
-            self.validator = _validator(params.json if params.json is not None else {"type": "object"})
+            schema = params.json if params.json is not None else {"type": "object"}
+            outside = outside_reference(schema)
+            if outside is not None:
+                raise ConstraintError(f"structured_outputs.json: {outside}")
+            self.validator = _validator(schema)
         elif params.regex is not None:
             try:
                 self.pattern = re.compile(params.regex)
@@ -66,7 +70,10 @@ class OutputCheck:
         bad = _unholdable(value)
         if bad is not None:
             return bad
-        errors = list(self.validator.iter_errors(value))
+        try:
+            errors = list(self.validator.iter_errors(value))
+        except Exception as exc:  # noqa: BLE001  an unresolvable reference, a schema jsonschema chokes on: this row's
+            return f"{VIOLATION}could not be checked against the schema: {_short(type(exc).__name__ + ': ' + str(exc))}"
         if not errors:
             return None
         error = _closest(errors)
@@ -88,9 +95,40 @@ def _closest(errors: list):
     return error
 
 
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose values are data, not subschemas: a `$ref` key inside them is not a reference."""
+
+
+def outside_reference(schema) -> str | None:
+    """Why `schema` is refused, or None: a `$ref` or `$dynamicRef` whose target lies outside the
+    document (a URL, a file, another document), which nothing will fetch. Inside are `#...`
+    (pointers and anchors) and references to an `$id` the schema itself embeds. Walked without
+    recursion, so any depth is read."""
+    ids, refs, stack = set(), [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("$ref", "$dynamicRef") and isinstance(value, str):
+                    refs.append((key, value))
+                elif key == "$id" and isinstance(value, str):
+                    ids.add(value.split("#", 1)[0])
+                elif key not in DATA_KEYWORDS and isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    for key, ref in refs:
+        base = ref.split("#", 1)[0]
+        if base and base not in ids and not any(i.endswith("/" + base) for i in ids):
+            return (f"{key} {_short(repr(ref))} points outside the schema; only references inside it are "
+                    "resolved (#/..., anchors, $defs, an $id it embeds), and nothing is fetched")
+    return None
+
+
 def _validator(schema):
     import jsonschema
     from jsonschema.exceptions import SchemaError
+    from referencing import Registry
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
@@ -98,7 +136,8 @@ def _validator(schema):
     except SchemaError as exc:
         raise ConstraintError(f"structured_outputs.json: not a valid JSON Schema at "
                               f"{_schema_where(exc)}: {_short(exc.message)}") from None
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    # an empty registry: no reference is ever retrieved (jsonschema's default fetches URLs with urllib)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry())
 
 
 def _schema_where(exc) -> str:

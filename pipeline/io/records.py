@@ -104,7 +104,8 @@ class CommitRecord(Counts):
     """The engine budget the part was generated at."""
     engine: dict | None = None
     """The engine that generated the part (pipeline.tasks.engines.ENGINE_FACTS): resolved device, dtype
-    and quantization, weights' bytes, KV pool blocks and bytes, max_num_batched_tokens."""
+    and quantization, weights' bytes, KV pool blocks and bytes, max_num_batched_tokens; and `gguf`
+    (file, digest, tensor types: pipeline.tasks.engines.GGUF_FACTS) for a model read from a GGUF file."""
 
     @classmethod
     def from_dict(cls, data: dict) -> CommitRecord:

@@ -33,6 +33,9 @@ def test_an_eval_job_labels_real_sentiment_well_above_chance(tmp_path):
     assert result.status == "complete" and result.rows == len(rows)
     accuracy = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]["accuracy"]
     assert accuracy["count"] == len(rows) and accuracy["ci95"][0] > 0.5, accuracy
+    engines = json.loads((tmp_path / "out" / "manifest.json").read_text())["engines"]
+    assert engines[0]["gguf"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"  # what the rows were generated from
+    assert len(engines[0]["gguf"]["digest"]) == 64 and engines[0]["gguf"]["tensor_types"]["Q4_1"] == 210
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},

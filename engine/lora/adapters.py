@@ -25,8 +25,26 @@ from engine.models import hub
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors",)
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>A|B|embedding_A|embedding_B|magnitude_vector)"
-                 r"(?:\.[A-Za-z0-9_-]+)?(?:\.weight)?$")
-"""A PEFT tensor name: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight)."""
+                 r"(?:\.(?!weight$|bias$)[A-Za-z0-9_-]+)?(?:\.weight)?$")
+"""A PEFT tensor name: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight;
+`weight` and `bias` are never taken for one: lora_B.bias is a bias, which is refused)."""
+APPLIED = ("peft_type", "r", "lora_alpha", "use_rslora", "alpha_pattern", "rank_pattern", "target_modules",
+           "exclude_modules", "layers_to_transform", "layers_pattern", "base_model_name_or_path")
+"""peft.LoraConfig fields the engine applies: the scaling (alpha, rsLoRA, alpha_pattern), and which modules
+at what rank (read from the tensors themselves: target_modules, exclude_modules, layers_*, rank_pattern)."""
+IGNORED = ("task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "lora_dropout",
+           "init_lora_weights", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
+           "lora_ga_config", "runtime_config", "qalora_group_size", "ensure_weight_tying")
+"""Fields that do not change inference (training, initialisation, bookkeeping; QA-LoRA's group size
+without use_qalora; weight tying, which only adapters of the embeddings need, themselves refused)."""
+REFUSED = {"fan_in_fan_out": "GPT-2's Conv1D layers", "bias": "trained biases", "modules_to_save": "whole modules",
+           "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "trainable_token_indices": "trained embedding rows",
+           "velora_config": "VeLoRA", "alora_invocation_tokens": "activated LoRA (aLoRA)", "use_qalora": "QA-LoRA",
+           "monteclora_config": "MonteCLoRA", "layer_replication": "replicated layers",
+           "target_parameters": "adapters on parameters (MoE experts)", "use_bdlora": "BD-LoRA",
+           "arrow_config": "Arrow routing", "kasa_config": "KaSA"}
+"""Fields whose non-default values change the forward in ways the engine does not run: refused in
+one line naming the field (tests/engine/test_lora.py holds these three tables to peft.LoraConfig's fields)."""
 
 
 @dataclass
@@ -98,6 +116,8 @@ def read_adapter(request: LoRARequest, config: EngineConfig, targets: dict[str, 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = KEY.match(key)
+        if m is None and key.endswith(".bias") and ".lora_" in key:
+            raise AdapterError(f"adapter {name}: {key} is a LoRA bias (lora_bias), which is not supported")
         if m is None:
             raise AdapterError(f"adapter {name}: {key} is not a LoRA tensor (whole modules saved beside an adapter "
                                "are not supported)")
@@ -143,6 +163,10 @@ def _settings(name: str, cfg: dict) -> dict:
         raise AdapterError(f"adapter {name}: DoRA (use_dora) is not supported")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name}: bias {cfg['bias']!r} is not supported (only bias: none)")
+    for key, what in REFUSED.items():
+        value = cfg.get(key)
+        if value not in (None, False, "none", {}, []) and key not in ("modules_to_save", "fan_in_fan_out"):
+            raise AdapterError(f"adapter {name}: {key} ({what}) is not supported")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"adapter {name}: modules_to_save ({', '.join(cfg['modules_to_save'])}) replaces whole "
                            "modules, which the engine cannot serve beside the base model")

@@ -204,3 +204,39 @@ def test_openai_batch_lines_take_the_adapter_their_body_model_names(family, tmp_
     outs = [llm.generate(["abc"], sp, lora_request=lr)[0] for lr in (requests["all"], None)]
     assert outs[0].token_ids != outs[1].token_ids
     assert [r.generated_text for r in results[2:]] == [o.text for o in outs]
+
+
+def test_every_lora_config_field_is_applied_ignored_or_refused():
+    """The engine's three tables cover peft.LoraConfig's fields exactly: a PEFT upgrade that adds a
+    field fails here until it is placed."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    from engine.lora.adapters import APPLIED, IGNORED, REFUSED
+
+    tables = [set(APPLIED), set(IGNORED), set(REFUSED)]
+    assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
+    assert set().union(*tables) == {f.name for f in dataclasses.fields(LoraConfig)}
+
+
+def test_an_adapter_with_lora_bias_is_refused_not_run_silently_wrong(family, tmp_path):
+    """PEFT's lora_bias=True puts a bias on lora_B. Its tensor lora_B.bias was read as the B part of
+    an adapter named "bias", then overwritten by the weight: tokens differed from PEFT's with no
+    error. Now the config's lora_bias, or a lora_B.bias tensor alone, is refused in one line."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, adapters, _ = family
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False))
+    model.save_pretrained(tmp_path / "biased")
+    assert any(k.endswith("lora_B.bias") for k in load_file(tmp_path / "biased" / "adapter_model.safetensors"))
+    hidden = shutil.copytree(tmp_path / "biased", tmp_path / "hidden")
+    edit_config(hidden, lora_bias=False)  # the tensor alone, its config silent
+    llm = LLMEngine(EngineConfig(model=str(base), enable_lora=True))
+    outs = llm.generate(prompts(3), SamplingParams(max_tokens=3), lora_request=[
+        LoRARequest("biased", 1, str(tmp_path / "biased")), LoRARequest("hidden", 2, str(hidden)), None])
+    assert outs[0].finish_reason == "error" and "lora_bias (a bias on lora_B) is not supported" in outs[0].error
+    assert outs[1].finish_reason == "error" and "lora_B.bias is a LoRA bias (lora_bias)" in outs[1].error
+    assert outs[2].error is None

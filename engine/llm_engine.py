@@ -92,6 +92,7 @@ class LLMEngine:
 
     def _start_encoder(self) -> None:
         """An encoder (BERT, RoBERTa, ModernBERT...): its own packed runner, no KV pool, no sampling."""
+        self.pooling_info.check_engine(self.config.quantization, self.config.tensor_parallel_size)
         self.runner = EncoderRunner(self.config, resolve_model_dir(self.config), self.pooling_info)
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer)
         self.max_model_len = self.config.max_model_len or self.pooling_info.max_len or CPU_POOL_TOKENS

@@ -91,6 +91,18 @@ class PoolingInfo:
         if reason is not None:
             raise ModelLoadError(reason)
 
+    def check_engine(self, quantization: str | None, tensor_parallel_size: int) -> None:
+        """Refuses, in one line, what an encoder's own runner does not run: quantized weights and
+        tensor parallelism (it would run in float on one device while a job reserved a GPU per rank)."""
+        if self.kind != "encoder":
+            return
+        if quantization is not None:
+            raise ModelLoadError(f"{self.name} is an encoder: quantization {quantization} is not run on encoders "
+                                 "(their packed runner computes in the model's dtype); set quantization: null")
+        if tensor_parallel_size > 1:
+            raise ModelLoadError(f"{self.name} is an encoder: tensor_parallel_size {tensor_parallel_size} is not run "
+                                 "on encoders (their runner takes one device); set tensor_parallel_size: 1")
+
 
 def pooling_info(model_dir: Path, hf_config: dict, override: dict | None = None) -> PoolingInfo:
     """What `model_dir` (its config.json read as `hf_config`) says about pooling."""

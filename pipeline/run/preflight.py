@@ -105,8 +105,10 @@ def check_model(config: EngineConfig, task: str | None = "generate"):
         return EchoEngine(config).tokenizer.hf
     try:
         path = check_model_files(config)
+        info = model_pooling_info(path, config.pooling)
+        info.check_engine(config.quantization, config.tensor_parallel_size)  # before a job reserves GPUs per rank
         if task is not None:
-            model_pooling_info(path, config.pooling).check("generate" if task in ("label", "eval") else task)
+            info.check("generate" if task in ("label", "eval") else task)
         return load_tokenizer(config, path)
     except (ModelLoadError, ValueError) as exc:
         message = str(exc)  # Hub errors name the id already

@@ -226,3 +226,19 @@ def test_the_vllm_face_embeds_classifies_and_scores_as_the_engine_does(models):
     cross = LLM(str(models["cross"]))
     scores = cross.score({"prompt": pair[0]}, pair)  # one text_1 against every text_2
     assert [x.outputs.score for x in scores] == [o.score for o in cross.llm_engine.score(pair[0], pair)]
+
+
+@pytest.mark.parametrize("setting,said", [({"quantization": "int8"}, "quantization int8 is not run on encoders"),
+                                          ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not run on encoders")])
+def test_an_encoder_refuses_quantization_and_tensor_parallelism_in_one_line(models, setting, said):
+    """Both ran silently before: int8 left the layers in float, TP=2 ran in one process while a
+    job reserved a GPU per rank. The engine and the job's preflight refuse them."""
+    from pipeline.errors import JobError
+    from pipeline.run.preflight import check_model
+
+    config = EngineConfig(model=str(models["mean"]), **setting)
+    with pytest.raises(ModelLoadError, match=said) as err:
+        LLMEngine(config)
+    assert "\n" not in str(err.value)
+    with pytest.raises(JobError, match=said):
+        check_model(config, "embed")

@@ -75,13 +75,32 @@ def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_
             # transformers warns that the checkpoint's own quantization_config wins over ours,
             # of which only `dequantize` is read anyway: the intended outcome
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model = auto_class(head).from_pretrained(
+            model, info = auto_class(head).from_pretrained(
                 model_dir, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                use_safetensors=None if config.allow_pickle else True, **kwargs)
+                use_safetensors=None if config.allow_pickle else True, output_loading_info=True, **kwargs)
     except Exception as exc:
         what = f"{checkpoint_quantization} checkpoint " if checkpoint_quantization else ""
         raise ModelLoadError(f"cannot load {what}model from {model_dir}: {one_line(exc)}") from exc
+    check_loaded(model_dir, info)
     return model.to(device).eval()
+
+
+def check_loaded(model_dir: Path, info: dict) -> None:
+    """Refuses a checkpoint that misses a parameter the architecture needs (transformers would
+    initialise it at random and only log it: a classifier's head, a layer, a norm), naming up to
+    five; tied weights and buffers transformers derives are not missing. Unexpected tensors are one
+    warning line."""
+    import logging
+
+    missing = sorted(set(info.get("missing_keys") or ()))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{model_dir}: the checkpoint misses {', '.join(missing[:5])}{more}: the architecture "
+                             "needs them (loaded anyway, they would be random)")
+    unexpected = sorted(set(info.get("unexpected_keys") or ()))
+    if unexpected:
+        logging.getLogger(__name__).warning("%s: %d tensor(s) the model does not use were left out: %s", model_dir,
+                                            len(unexpected), ", ".join(unexpected[:5]))
 
 
 def prepare_load(config: EngineConfig, model_dir: Path) -> str:

@@ -88,3 +88,35 @@ def test_a_model_on_object_storage_is_copied_to_the_cache_first(tiny_model_dir, 
     assert again.generate(["from s3"], params)[0].token_ids == expected
     with pytest.raises(ModelLoadError, match="no files under s3://models/not-there"):
         LLMEngine(EngineConfig(model="s3://models/not-there", cache_dir=str(cache)))
+
+
+def _without(src, out, *names):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in names:
+        del tensors[name]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_checkpoint_missing_a_parameter_is_refused_naming_it(tiny_model_dir, tmp_path, quantization):
+    """transformers initialises a missing parameter at random and only logs it: a classifier
+    without its head returned random probabilities with error None. The whole load and the
+    streaming one (which fell back to the whole load on a missing name) refuse it, naming it."""
+    from pooling_models import build_classifier
+
+    from engine import ModelLoadError
+
+    clf = _without(build_classifier(tmp_path / "clf", "qwen2"), tmp_path / "headless", "score.weight")
+    with pytest.raises(ModelLoadError, match=r"misses score\.weight") as err:
+        LLMEngine(EngineConfig(model=str(clf), quantization=quantization))
+    assert "\n" not in str(err.value)
+    normless = _without(tiny_model_dir("llama"), tmp_path / "normless", "model.norm.weight",
+                        "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"misses model\.layers\.1\.mlp\.down_proj\.weight, model\.norm\.weight"):
+        LLMEngine(EngineConfig(model=str(normless), quantization=quantization))

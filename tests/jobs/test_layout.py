@@ -51,7 +51,7 @@ def test_an_earlier_layout_resumes_with_its_row_count_shards(tmp_path):
     out.mkdir()
     (out / "_job.json").write_text(json.dumps({"fingerprint": spec.fingerprint(), "created": 1.0,
                                                "spec": spec.model_dump(mode="json")}))
-    args = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, *[a for s in settings for a in ("--set", s)]]
+    args = ["--input", tmp_path / "in.jsonl", "--output", out, *[a for s in settings for a in ("--set", s)]]
     assert run(*args)[0] == 0
     parts = sorted((out / "data").iterdir())
     assert len(parts) == 3

@@ -105,7 +105,7 @@ def test_fatal_problems_fail_fast_with_one_line(tmp_path, case):
     expected = {"no_files": "no input files", "missing_column": "input column 'prompt' not found in a.jsonl",
                 "missing_model": "model directory not found", "bad_template": "not allowed"}[case]
     if case == "no_files":
-        args[1] = tmp_path / "empty"
+        args[3] = tmp_path / "empty"
         (tmp_path / "empty").mkdir()
     elif case == "missing_column":
         args[-1] = "input.prompt_column=prompt"

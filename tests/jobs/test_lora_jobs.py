@@ -171,6 +171,7 @@ def test_lora_each_with_an_id_column_counts_each_input_id_once(family, tmp_path)
                                         enumerate(ROWS + ROWS[:4])])
     spec = spec_for(base, tmp_path / "in.jsonl", tmp_path / "out", path=str(folder), each=True, include_base=True)
     spec["input"]["id_column"] = "id"
+    spec["workers"]["rows_per_batch"] = 12  # one shard of the 12 ids, once per adapter and the base
     result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
     assert result.status == "complete" and result.rows == 48
     out = read_output(tmp_path / "out")

@@ -149,6 +149,7 @@ def eight_rows(model_dir, prompts, outputs) -> None:
 
 
 def main() -> None:
+    global MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32, help="transformers' padded batch size")
@@ -159,8 +160,9 @@ def main() -> None:
     ap.add_argument("--model", default=MODEL, help="builtin:llama-42m (random prompts) or a real model "
                     "(chat prompts), e.g. builtin:smollm2-135m-instruct")
     ap.add_argument("--int4", action="store_true", help="add the engine's int4 row")
+    ap.add_argument("--no-single", action="store_true", help="skip transformers one request at a time (the "
+                    "padded batches are then the reference tokens and the baseline)")
     args = ap.parse_args()
-    global MODEL
     MODEL = args.model
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,12 +189,10 @@ def main() -> None:
     for engine in engines.values():
         ours(engine, prompts[:2], [4, 4])  # warm-up: first-call allocations
     with torch.inference_mode():
-        ref, t_one = timed(hf_one_at_a_time, hf, prompts, outputs)
         padded, t_pad = timed(hf_padded_batches, hf, prompts, outputs, args.batch_size)
-    rows = [
-        ("transformers generate, 1 at a time", t_one, ref),
-        (f"transformers generate, padded batches of {args.batch_size}", t_pad, padded),
-    ]
+        ref, t_one = (padded, t_pad) if args.no_single else timed(hf_one_at_a_time, hf, prompts, outputs)
+    rows = [] if args.no_single else [("transformers generate, 1 at a time", t_one, ref)]
+    rows.append((f"transformers generate, padded batches of {args.batch_size}", t_pad, padded))
     for mode, engine in engines.items():
         engine.batch_stats.clear()
         mine, t_ours = timed(ours, engine, prompts, outputs)

@@ -76,6 +76,23 @@ def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path)
     assert not (out / "data").exists()
 
 
+def test_an_output_of_builtin_tiny_as_the_old_default_model_says_to_name_it(tmp_path):
+    """builtin:tiny was the default model until builtin:smollm2-135m-instruct: rerunning its output
+    with a spec that names no model is refused in one line saying to add `model: builtin:tiny`, not
+    as "a different job spec"; naming it resumes."""
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    out = tmp_path / "out"
+    settings = ["--set", "sampling.max_tokens=2", "--set", "workers.rows_per_batch=1"]
+    assert run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, *settings)[0] == 0
+    record = json.loads((out / "_job.json").read_text())
+    assert record["spec"]["model"] == "builtin:tiny"
+    (out / "_SUCCESS").unlink()
+    code, text = run("--input", tmp_path / "in.jsonl", "--output", out, *settings)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "add `model: builtin:tiny`" in errors[0], text
+    assert "different job spec" not in text
+
+
 def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes(tmp_path, monkeypatch):
     """A file of many segments: several planning tasks, one line sequencer, the ids and row
     order of a whole-file plan, and a resume that finds the same shards."""

@@ -46,14 +46,14 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country"
 @pytest.mark.slow
 def test_a_json_schema_job_on_the_real_model_gives_valid_rows(tmp_path):
     cities = ["Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Delhi", "Rome", "Seoul", "Quito", "Nairobi",
-              "Madrid", "Hanoi", "Berlin", "Dublin", "Ottawa", "Canberra", "Lisbon", "Athens", "Vienna", "Manila"]
+              "Madrid", "Hanoi"]
     write_jsonl(tmp_path / "in.jsonl", [{"id": f"c{i:02d}", "messages": [
         {"role": "user", "content": f"Give the city, country and population in millions of {c} as JSON."}]}
         for i, c in enumerate(cities)])
     spec = {"model": MODEL, "input": {"path": str(tmp_path / "in.jsonl"), "messages_column": "messages",
                                       "id_column": "id"},
             "output": {"path": str(tmp_path / "out")}, "max_error_rate": 1.0, "workers": {"num": 1},
-            "sampling": {"max_tokens": 64, "temperature": 0.0,
+            "sampling": {"max_tokens": 48, "temperature": 0.0,
                          "structured_outputs": {"json": SCHEMA}}}
     result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
     assert result.rows == len(cities)

@@ -198,19 +198,12 @@ def main() -> None:
         mine, t_ours = timed(ours, engine, prompts, outputs)
         rows.append((f"batchinfer engine ({mode})", t_ours, mine))
     best = min(("static", "continuous"), key=lambda m: next(t for name, t, _ in rows if f"({m})" in name))
-    if not args.no_int8:
+    for method in ([] if args.no_int8 else ["int8"]) + (["int4"] if args.int4 else []):
         q = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
-                                   dtype="float32", device="cpu", scheduling=best, quantization="int8"))
+                                   dtype="float32", device="cpu", scheduling=best, quantization=method))
         ours(q, prompts[:2], [4, 4])
         mine, t_q = timed(ours, q, prompts, outputs)
-        rows.append((f"batchinfer engine int8 ({best})", t_q, mine))
-        del q
-    if args.int4:
-        q = LLMEngine(EngineConfig(model=MODEL, max_batch_tokens=budget, max_num_seqs=max(64, args.batch_size),
-                                   dtype="float32", device="cpu", scheduling=best, quantization="int4"))
-        ours(q, prompts[:2], [4, 4])
-        mine, t_q = timed(ours, q, prompts, outputs)
-        rows.append((f"batchinfer engine int4 ({best})", t_q, mine))
+        rows.append((f"batchinfer engine {method} ({best})", t_q, mine))
         del q
     ct2 = ctranslate2_run(model_dir, prompts, outputs, budget)
     t_ct2 = None

@@ -85,11 +85,12 @@ def _from_gguf(config: EngineConfig, path: Path, cache: Path, weights: bool, mai
     """The directory converted from the GGUF file `path` (its header alone with weights=False)."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    header = None
     if main and config.tokenizer is None:
         header = gguf.read_header(path)
         if not header.has_tokenizer:
             raise ModelLoadError(f"{path}: the GGUF metadata holds no tokenizer; name one with engine.tokenizer")
-    return gguf.converted_dir(path, cache, storage_dtype(config), weights=weights, digest=digest)
+    return gguf.converted_dir(path, cache, storage_dtype(config), weights=weights, digest=digest, header=header)
 
 
 def is_hub_model(ref: str) -> bool:

@@ -149,10 +149,7 @@ def file_digest(path: Path, cache_root: Path, known: str | None = None) -> str:
         return known
     key = stat_key(path)
     book = cache_root / "gguf" / "digests.json"
-    try:
-        remembered = json.loads(book.read_text())
-    except (OSError, ValueError):
-        remembered = {}
+    remembered = _reread(book)
     if key in remembered:
         return remembered[key]
     sha = hashlib.sha256()
@@ -180,14 +177,15 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 def converted_dir(path: Path, cache_root: Path, dtype: str, *, weights: bool = True,
-                  digest: str | None = None) -> Path:
+                  digest: str | None = None, header: GGUFHeader | None = None) -> Path:
     """The safetensors directory converted from the GGUF file `path` in `dtype` (float32, float16
     or bfloat16), converting it if it is not in the cache. weights=False: config and tokenizer only,
-    read from the header (no tensor is read, the file is not hashed)."""
-    header = read_header(path)
+    read from the header (no tensor is read, the file is not hashed). `header`: the file's, where
+    the caller read it already (else it is read here, only to convert)."""
     root = cache_root / "gguf"
     if weights:
-        key = f"{file_digest(path, cache_root, digest)[:16]}-{dtype}-c{CONVERTER_VERSION}"
+        digest = file_digest(path, cache_root, digest)
+        key = f"{digest[:16]}-{dtype}-c{CONVERTER_VERSION}"
     else:
         key = f"meta-{hashlib.sha256(stat_key(path).encode()).hexdigest()[:16]}-c{CONVERTER_VERSION}"
     target = root / key
@@ -199,11 +197,12 @@ def converted_dir(path: Path, cache_root: Path, dtype: str, *, weights: bool = T
     with FileLock(str(root / f".{key}.lock")):
         if (target / "batchinfer_gguf.json").exists():
             return target  # another process converted it while this one waited
+        header = header or read_header(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
             _convert(header, tmp, dtype, weights)
             (tmp / "batchinfer_gguf.json").write_text(json.dumps({
-                "file": path.name, "digest": digest or (file_digest(path, cache_root) if weights else None),
+                "file": path.name, "digest": digest if weights else None,
                 "tensor_types": header.tensor_types(), "dtype": dtype if weights else None,
                 "converter_version": CONVERTER_VERSION}, indent=1))
             os.rename(tmp, target)

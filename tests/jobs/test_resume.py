@@ -176,7 +176,7 @@ def test_openai_batch_output_and_usage_after_an_interrupted_run_and_resume(tmp_p
     assert usage["tokens_per_second"] == pytest.approx(manifest["generated_tokens"] / usage["generate_seconds"])
 
     reference = tmp_path / "uninterrupted"
-    result = CliRunner().invoke(main, ["run", *args[:2], "--output", str(reference), *options],
+    result = CliRunner().invoke(main, ["run", *args[:4], "--output", str(reference), *options],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     ref_lines, ref_errors = batch_output(reference)

@@ -1,6 +1,6 @@
 """batchinfer's generation engine: static or continuous batching under a KV-token budget, on torch + transformers.
 
-Its packages, each answering one question (imports run down this list's order, never up):
+Its packages, each answering one question (which may import which: docs/architecture.md):
 
     api/           what a caller configures, asks for and gets back (config, params, outputs, errors): no torch
     core/          which rows the next pass computes and which KV blocks hold them: no torch

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Prints the job spec reference as a Markdown table (the README's "Job spec reference").
+"""Prints the job spec reference as a Markdown table (docs/jobs.md's "Job spec reference");
+--update rewrites that table in place (tests/jobs/test_docs.py fails while it is stale).
 
-    .venv/bin/python scripts/spec_table.py [--update README.md]
+    .venv/bin/python scripts/spec_table.py [--update docs/jobs.md]
 """
 from __future__ import annotations
 

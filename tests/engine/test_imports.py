@@ -1,5 +1,5 @@
 """Pure modules import without torch or transformers (a job spec can be read on any machine), and
-the imports the README documents work."""
+the imports the docs (README.md, CONTRIBUTING.md, docs/*.md) show work."""
 import subprocess
 import sys
 from pathlib import Path
@@ -64,10 +64,13 @@ print("ok")
 
 
 def test_the_documented_public_imports_work():
-    """Every `from engine|pipeline import ...` line of the README, and the names the engine's face lists."""
-    readme = (ROOT / "README.md").read_text()
+    """Every `from engine|pipeline import ...` line of README.md, CONTRIBUTING.md and docs/*.md, and
+    the names the engine's face lists."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
     starts = ("from engine", "import engine", "from pipeline", "import pipeline")
-    documented = sorted({line.strip() for line in readme.splitlines() if line.strip().startswith(starts)})
+    documented = sorted({line.strip() for page in pages for line in page.read_text().splitlines()
+                         if line.strip().startswith(starts)})
+    assert documented, "the docs show no engine or pipeline import"
     script = "\n".join(documented) + README_IMPORTS + "import engine\nfor n in engine.__all__: getattr(engine, n)\n"
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

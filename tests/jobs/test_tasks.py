@@ -287,7 +287,7 @@ SHIPPED = ["chat", "label", "eval", "openai_batch"]
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_task_configs_validate(name, tmp_path, monkeypatch):
-    """The README's examples pass every check of a run (spec, inputs, model, output): the fast
+    """docs/tasks.md's examples pass every check of a run (spec, inputs, model, output): the fast
     sibling of running them whole below."""
     from pathlib import Path
 
@@ -299,7 +299,7 @@ def test_shipped_task_configs_validate(name, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_task_configs_run(name, tmp_path, monkeypatch):
-    """The README's examples work as written (output redirected)."""
+    """docs/tasks.md's examples work as written (output redirected)."""
     from pathlib import Path
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])

@@ -107,6 +107,7 @@ class LLMEngine:
         """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
         self.max_model_len = self._max_model_len()
+        self.tokenizer.max_tokens = self.max_model_len
         self.continuous = self.config.scheduling == "continuous"
         self.block_size = self.config.block_size
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,

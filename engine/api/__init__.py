@@ -10,11 +10,11 @@ from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, 
 from engine.api.pooling import POOLING_TASKS, POOLING_TYPES, PoolerConfig, PoolingParams
 from engine.api.request_output import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
                                        RequestOutput, ScoringRequestOutput)
-from engine.api.sampling_params import MAX_N, SamplingParams
+from engine.api.sampling_params import MAX_ENTRIES, MAX_N, SamplingParams, check_sizes
 from engine.api.structured_outputs import KINDS, VIOLATION, StructuredOutputsParams
 
 __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES", "auto_dtype",
-           "SamplingParams", "MAX_N", "StructuredOutputsParams", "KINDS", "VIOLATION",
+           "SamplingParams", "MAX_N", "MAX_ENTRIES", "check_sizes", "StructuredOutputsParams", "KINDS", "VIOLATION",
            "Completion", "Sample", "BatchStats", "ChoiceScores",
            "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingParams", "PoolerConfig", "POOLING_TYPES",
            "POOLING_TASKS", "LoRARequest", "per_prompt_lora", "RequestOutput", "CompletionOutput", "Logprob",

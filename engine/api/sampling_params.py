@@ -14,6 +14,10 @@ MAX_LOGPROBS = 20
 MAX_LOGPROBS_CAP = 1024
 """Most a request may ask for at all; the engine's max_logprobs bounds it further."""
 MAX_INT64 = (1 << 63) - 1
+MAX_ENTRIES = {"logit_bias": 4096, "stop": 256, "stop_token_ids": 4096, "bad_words": 4096,
+               "allowed_token_ids": 1 << 18}
+"""Most entries each list or mapping option may have: a request's options are row input, and each
+entry costs every decoding step (OpenAI allows 4 stop strings; the largest vocabularies are 2^18)."""
 SAMPLING_EPS = 1e-5
 """A temperature below this samples as greedy (as vLLM does): dividing by it overflows float32."""
 
@@ -70,6 +74,7 @@ class SamplingParams:
     """With skip_special_tokens false: a space between a special token and its neighbours in the text."""
 
     def __post_init__(self) -> None:
+        check_sizes({name: getattr(self, name) for name in MAX_ENTRIES})
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -155,3 +160,13 @@ def _check_float(name: str, value, low: float, high: float | None = None, low_op
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def check_sizes(options: dict) -> None:
+    """ValueError naming the first option in `options` (field -> value, as given) with more entries
+    than MAX_ENTRIES allows; cheap, so row input is checked before anything converts it."""
+    for name, limit in MAX_ENTRIES.items():
+        value = options.get(name)
+        if isinstance(value, (dict, list, tuple)) and len(value) > limit:
+            what = "strings" if name in ("stop", "bad_words") else "entries" if name == "logit_bias" else "ids"
+            raise ValueError(f"{name} has {len(value)} {what}, over the limit of {limit}")

@@ -10,6 +10,9 @@ VIOLATION = "structured output "
 """How the error of a finished constrained output that breaks its constraint begins (e.g.
 "structured output does not satisfy the schema at $.side_length: ..."): such a row keeps its
 finish_reason, and counts as failed wherever errors are counted."""
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays a JSON Schema may have: jsonschema validates by recursion
+and fails past about 100 levels (OpenAI's structured outputs allow 10 levels of objects)."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,13 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", _json.loads(self.json))
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ValueError(f"structured_outputs.json: not JSON text: {exc}") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(self.json).__name__}")
+        if isinstance(self.json, dict) and _deeper_than(self.json, MAX_SCHEMA_DEPTH):
+            raise ValueError(f"structured_outputs.json is nested deeper than {MAX_SCHEMA_DEPTH} levels of objects "
+                             "and arrays, which the check of its outputs cannot follow")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
                     or not self.choice:
@@ -71,3 +77,15 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs: unknown keys {sorted(unknown)} (known: {', '.join(KINDS)})")
             return cls(**value)
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether `value` nests dicts and lists deeper than `limit` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+    return False

@@ -17,9 +17,25 @@ class Tokenizer:
         self.pad_token_id: int = pad if pad is not None else (min(ids) if ids else 0)
         self._pieces: list[str] | None = None
         self._enders: dict[frozenset[str], np.ndarray] = {}
+        self.max_tokens: int | None = None
+        """The most tokens a text may become (the engine's max_model_len): a text that cannot fit is
+        refused before it is tokenized (a 10 MB prompt would take the tokenizer 20 s)."""
+        self._longest_piece: int | None = None
+
+    def _check_length(self, text: str) -> None:
+        """ValueError when `text` has more characters than max_tokens tokens can spell, with no
+        token longer than the vocabulary's longest piece (twice that, for normalizers)."""
+        if self.max_tokens is None or len(text) <= 64 * self.max_tokens:
+            return
+        if self._longest_piece is None:
+            self._longest_piece = max((len(piece) for piece in self.hf.get_vocab()), default=1)
+        if len(text) > 2 * self._longest_piece * self.max_tokens:
+            raise ValueError(f"prompt is {len(text)} characters, more than max_model_len ({self.max_tokens} tokens) "
+                             f"can hold: refused before tokenizing")
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the special tokens the model expects (e.g. BOS)."""
+        self._check_length(text)
         return self.hf(text, add_special_tokens=True, verbose=False)["input_ids"]
 
     def encode_continuation(self, text: str) -> list[int]:
@@ -53,7 +69,8 @@ class Tokenizer:
         try:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001  jinja2 errors, templates that raise on a role order
-            raise ValueError(f"the chat template refused these messages: {exc}") from None
+            raise ValueError(f"the chat template refused these messages: {' '.join(str(exc).split())}") from None
+        self._check_length(text)
         # The template writes any BOS itself; adding special tokens again would double it.
         return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
 

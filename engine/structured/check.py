@@ -13,8 +13,11 @@ import json
 import math
 import re
 
+import regex
+
 from engine.api.errors import ConstraintError
 from engine.api.structured_outputs import VIOLATION, StructuredOutputsParams
+from engine.structured.bounded_regex import Deadline, RegexTimeout, bounded_validator, search
 
 MESSAGE_CHARS = 200
 """Longest cause a violation quotes (the rest is cut with '...')."""
@@ -45,21 +48,30 @@ class OutputCheck:
             self.validator = _validator(schema)
         elif params.regex is not None:
             try:
-                self.pattern = re.compile(params.regex)
-            except re.error:
-                self.pattern = None  # a dialect Python's re does not read: the matcher's verdict stands
+                regex.compile(params.regex)
+                self.pattern = params.regex
+            except regex.error:
+                self.pattern = None  # a dialect the regex package does not read: the matcher's verdict stands
         elif params.choice is not None:
             self.choices = frozenset(params.choice)
 
     def violation(self, text: str, accepted: bool) -> str | None:
         """Why `text` breaks the constraint (one line starting with VIOLATION), or None. `accepted`:
-        the row's matcher accepted its whole output."""
+        the row's matcher accepted its whole output. The row's regexes share one time bound."""
+        with Deadline():
+            try:
+                return self._violation(text, accepted)
+            except RegexTimeout as exc:
+                return f"{VIOLATION}could not be checked: {_short(str(exc))}"
+
+    def _violation(self, text: str, accepted: bool) -> str | None:
         if self.validator is not None:
             return self._json_violation(text)
         if self.choices is not None:
             return None if text in self.choices else f"{VIOLATION}is not one of the choices: {_short(repr(text))}"
         if self.pattern is not None:
-            return None if self.pattern.fullmatch(text) else f"{VIOLATION}does not match the regex: {_short(repr(text))}"
+            return None if search(self.pattern, text, full=True) else \
+                f"{VIOLATION}does not match the regex: {_short(repr(text))}"
         return None if accepted else f"{VIOLATION}is not accepted by the {self.kind}"
 
     def _json_violation(self, text: str) -> str | None:
@@ -72,6 +84,8 @@ class OutputCheck:
             return bad
         try:
             errors = list(self.validator.iter_errors(value))
+        except RegexTimeout:
+            raise
         except Exception as exc:  # noqa: BLE001  an unresolvable reference, a schema jsonschema chokes on: this row's
             return f"{VIOLATION}could not be checked against the schema: {_short(type(exc).__name__ + ': ' + str(exc))}"
         if not errors:
@@ -136,8 +150,12 @@ def _validator(schema):
     except SchemaError as exc:
         raise ConstraintError(f"structured_outputs.json: not a valid JSON Schema at "
                               f"{_schema_where(exc)}: {_short(exc.message)}") from None
+    except Exception as exc:  # noqa: BLE001  jsonschema choking on a schema (recursion): that constraint's error
+        raise ConstraintError(f"structured_outputs.json: could not be read as a JSON Schema: "
+                              f"{_short(type(exc).__name__ + ': ' + str(exc))}") from None
     # an empty registry: no reference is ever retrieved (jsonschema's default fetches URLs with urllib)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry())
+    # and regexes bounded in time (engine.structured.bounded_regex)
+    return bounded_validator(cls, schema)(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry())
 
 
 def _schema_where(exc) -> str:

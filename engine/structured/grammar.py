@@ -73,6 +73,16 @@ class Compiled:
         return self.backend.size(self.grammar)
 
 
+def _output_check(params: StructuredOutputsParams) -> OutputCheck:
+    """The constraint's check; anything it raises on a hostile constraint is a ConstraintError."""
+    try:
+        return OutputCheck(params)
+    except ConstraintError:
+        raise
+    except Exception as exc:  # noqa: BLE001  a constraint is row input: never the batch's exception
+        raise ConstraintError(f"structured_outputs.{params.kind}: {one_line_cause(exc)}") from None
+
+
 class RowMatcher:
     """A constrained row's matcher, with the backend that steps it and its constraint's check."""
 
@@ -139,8 +149,8 @@ class GrammarBackend:
             self._failed.move_to_end(key)
             raise ConstraintError(self._failed[key])
         try:
+            check = _output_check(params)
             chosen = self.route(params)
-            check = OutputCheck(params)
             try:
                 grammar = self._compile_within_deadline(self.backends[chosen.backend], params)
             except ConstraintError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from engine.api import check_sizes
 from pipeline.spec.schema import SamplingSpec, _describe
 
 SAMPLING_PARAMS = "sampling_params"
@@ -19,6 +20,10 @@ def row_sampling(value, job_sampling: SamplingSpec) -> dict:
         return {}
     if not isinstance(value, dict):
         raise ValueError(f"{SAMPLING_PARAMS} must be a mapping of sampling fields, got {type(value).__name__}")
+    try:
+        check_sizes(value)  # before anything converts a million keys
+    except ValueError as exc:
+        raise ValueError(f"{SAMPLING_PARAMS}.{exc}") from None
     given = {k: _present(v) for k, v in value.items() if v is not None}
     if "prompt_logprobs" in given and job_sampling.prompt_logprobs is None:
         # the output's columns are the job's: a row may change the number, not add the column

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine.api import MAX_N
+from engine.api import MAX_N, check_sizes
 from pipeline.tasks.openai_pooling import KNOWN_FIELDS as POOLING_FIELDS
 from pipeline.tasks.openai_pooling import POOLING_URLS, PoolingRequest, PoolingRequestError, parse_pooling
 
@@ -209,6 +209,10 @@ def _parse_prompt(prompt) -> str:
 
 
 def _parse_sampling(body: dict, chat: bool) -> dict:
+    try:
+        check_sizes({"stop": body.get("stop"), "logit_bias": body.get("logit_bias")})
+    except ValueError as exc:
+        raise _RowError(f"body.{exc}") from None
     sampling = {}
     max_tokens = _optional(body, "max_tokens", _check_int, 1)
     if chat:

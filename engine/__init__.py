@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
                         ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                        ScoringRequestOutput, Completion, ConstraintError, DeviceError, EmbeddingOutput, EngineBusy, EngineConfig,
+                        ScoringRequestOutput, Completion, ConstraintError, DeviceError, RegexTimeout, EmbeddingOutput, EngineBusy, EngineConfig,
                         EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
                         PoolSizingError, RankError, Sample, SamplingParams, ScoringOutput, StructuredOutputsParams,
                         VIOLATION, one_line)
@@ -49,4 +49,4 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequ
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
            "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
-           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "GrammarBusy", "one_line"]
+           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "RegexTimeout", "GrammarBusy", "one_line"]

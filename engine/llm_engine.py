@@ -13,7 +13,7 @@ from engine.api.errors import EngineBusy
 from engine.api.lora import LoRARequest, per_prompt_lora
 from engine.api.outputs import BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, ScoringOutput
 from engine.api.pooling import PoolingParams
-from engine.api.prompts import per_prompt
+from engine.api.prompts import Prompt, per_prompt
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
@@ -23,7 +23,9 @@ from engine.models.files import resolve_model_dir
 from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
+from engine.core.paged import PagedPass
 from engine.pooling import EncoderRunner, Pooler, score_pairs
+from engine.runner.loader import import_apart
 from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
 from engine.sample.batch import Batch, Sampled, sample_seed
@@ -36,7 +38,6 @@ from engine.structured import GrammarBackend
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 NO_LORA = "LoRA is not enabled (set enable_lora)"
 
 
@@ -51,6 +52,7 @@ class LLMEngine:
         self.config = config if config is not None else EngineConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either an EngineConfig or keyword overrides, not both")
+        import_apart()  # the modules that keep their importer's frames: never this constructor's
         self.batch_stats: list[BatchStats] = []  # every batch run so far, in order (pooling: one per call)
         self.pooling_info = read_pooling_info(self.config)
         """What the model says about embed, classify and score (engine.models.pooling)."""
@@ -88,7 +90,11 @@ class LLMEngine:
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
         self._prompt_logprobs = False  # some request asked for prompt logprobs: passes check for them
-        self.pooler = Pooler(self, self.pooling_info)
+        self.paged = PagedPass(self.runner, self.cache, self.pool, self.max_num_batched_tokens, self.max_model_len,
+                               self.adapters.stamp, self.scheduler.salt_of)
+        """What pooling and choice scoring passes need: the pieces, never this engine."""
+        self.pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
+                             paged=self.paged)
 
     def _start_encoder(self) -> None:
         """An encoder (BERT, RoBERTa, ModernBERT...): its own packed runner, no KV pool, no sampling."""
@@ -101,7 +107,8 @@ class LLMEngine:
         self.cache = self.pool = None
         self.adapters = AdapterRouter(self.runner, self.config.max_loras, NO_LORA if not self.config.enable_lora
                                       else "encoder models take no LoRA adapters (LoRA runs on decoder models)")
-        self.pooler = Pooler(self, self.pooling_info, encoder=self.runner)
+        self.pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
+                             encoder=self.runner)
 
     def _prepare(self) -> None:
         """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
@@ -151,7 +158,8 @@ class LLMEngine:
         if tokens is None and self.runner.head != "causal":  # pooling only: what one pass of rows needs
             return -(-max(self.max_num_batched_tokens, self.max_model_len) // self.block_size) + self.config.max_num_seqs
         if tokens is None and self.runner.device.type == "cuda":
-            return profile_pool_blocks(self)
+            return profile_pool_blocks(self.runner, self.block_size, self.max_num_batched_tokens, self.max_model_len,
+                                       self.config.gpu_memory_utilization)
         return max(1, (tokens or CPU_POOL_TOKENS) // self.block_size)  # the pool never exceeds the budget
 
     def _max_model_len(self) -> int:
@@ -344,7 +352,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise EngineBusy("score_choices() called while generation requests are still running")
         scores = self.adapters.per_adapter(
-            loras, lambda rows: score_choices(self, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows]),
+            loras, lambda rows: score_choices(self.paged, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows]),
             lambda message: ChoiceScores([], [], 0, message))
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)
@@ -374,23 +382,31 @@ class LLMEngine:
     def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
+        self._pooling_idle("embed")
         return self._pool_rows(self.pooler.embed, prompts, pooling_params, lora_request,
                                lambda message: EmbeddingOutput([], 0, message))
 
     def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ClassificationOutput]:
         """Class probabilities (and the most probable id2label name) per prompt, in input order."""
+        self._pooling_idle("classify")
         return self._pool_rows(self.pooler.classify, prompts, pooling_params, lora_request,
                                lambda message: ClassificationOutput([], None, 0, message))
 
     def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
               lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoringOutput]:
         """One score per pair (one text_1 for every text_2, or two lists): a cross-encoder's, or a cosine."""
+        self._pooling_idle("score")
         firsts, seconds = score_pairs(text_1, text_2)
         return self.adapters.per_adapter(
             per_prompt_lora(lora_request, len(firsts)),
             lambda rows: self.pooler.score([firsts[i] for i in rows], [seconds[i] for i in rows], pooling_params),
             lambda message: ScoringOutput(None, 0, message))
+
+    def _pooling_idle(self, task: str) -> None:
+        self.pooling_info.check(task)
+        if self.has_unfinished():
+            raise EngineBusy(f"{task}() called while generation requests are still running")
 
     def _pool_rows(self, task, prompts, pooling_params, lora_request, failed) -> list:
         """embed / classify: the pooler's `task` over the prompts, once per adapter they run under."""

@@ -11,7 +11,6 @@ from dataclasses import fields
 from engine.api.config import EngineConfig
 from engine.api.lora import per_prompt_lora
 from engine.api.pooling import PoolingParams
-from engine.api.prompts import per_prompt
 from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                                        ScoringRequestOutput, completion_outputs, prompt_logprobs_of)
 from engine.api.sampling_params import SamplingParams
@@ -116,24 +115,17 @@ class LLM:
         """The prompts as the pooling calls take them: texts or token-id lists."""
         return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in _as_list(prompts)]
 
-    def _token_ids(self, prompts: list, pooling_params) -> list[list[int] | None]:
-        """Each pooled prompt's token ids as the pooler runs it (None for a row's error)."""
-        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
-        return self.llm_engine.pooler.token_ids(prompts, params)
-
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request=None) -> list[EmbeddingRequestOutput]:
         prompts = self._pooled(prompts)
         outs = self.llm_engine.embed(prompts, pooling_params, lora_request=lora_request)
-        return [EmbeddingRequestOutput(str(next(self._ids)), o, ids)
-                for o, ids in zip(outs, self._token_ids(prompts, pooling_params))]
+        return [EmbeddingRequestOutput(str(next(self._ids)), o, o.prompt_token_ids) for o in outs]
 
     def classify(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
                  lora_request=None) -> list[ClassificationRequestOutput]:
         prompts = self._pooled(prompts)
         outs = self.llm_engine.classify(prompts, pooling_params, lora_request=lora_request)
-        return [ClassificationRequestOutput(str(next(self._ids)), o, ids)
-                for o, ids in zip(outs, self._token_ids(prompts, pooling_params))]
+        return [ClassificationRequestOutput(str(next(self._ids)), o, o.prompt_token_ids) for o in outs]
 
     def score(self, data_1, data_2, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request=None) -> list[ScoringRequestOutput]:

@@ -18,14 +18,15 @@ import torch
 from engine.api.outputs import ChoiceScores
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import chain_hashes
+from engine.core.paged import PagedPass
 from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import LOGITS_BYTES, Sequence  # pass 2 runs in chunks of choice tokens under it
 
 
-def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
+def score_choices(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
     """prompts[i] and choices[i][j] are token ids; returns one ChoiceScores per row, in order."""
     results: list[ChoiceScores | None] = [None] * len(prompts)
-    pool = llm.pool
+    pool = paged.pool
     todo = []
     for i, (p, cs) in enumerate(zip(prompts, choices)):
         need = _blocks(pool, p, cs)
@@ -33,13 +34,13 @@ def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]])
             results[i] = ChoiceScores([], [], 0, "empty prompt: a row needs at least one prompt token")
         elif not cs or any(not c for c in cs):
             results[i] = ChoiceScores([], [], len(p), "every row needs at least one non-empty choice")
-        elif len(p) + max(len(c) for c in cs) > llm.max_model_len:
+        elif len(p) + max(len(c) for c in cs) > paged.max_model_len:
             results[i] = ChoiceScores([], [], len(p), f"prompt ({len(p)} tokens) + longest choice exceeds "
-                                                      f"max_model_len ({llm.max_model_len})")
+                                                      f"max_model_len ({paged.max_model_len})")
         elif need > pool.num_blocks:
             results[i] = ChoiceScores([], [], len(p), f"prompt ({len(p)} tokens) and {len(cs)} choices need {need} "
                                                       f"KV blocks of {pool.block_size} tokens, more than the pool "
-                                                      f"holds: max_batch_tokens ({llm.pool_tokens})")
+                                                      f"holds: max_batch_tokens ({paged.pool_tokens})")
         else:
             todo.append(i)
     group: list[int] = []
@@ -47,7 +48,7 @@ def score_choices(llm, prompts: list[list[int]], choices: list[list[list[int]]])
     for i in todo + [None]:
         need = _blocks(pool, prompts[i], choices[i]) if i is not None else 0
         if group and (i is None or used + need > pool.num_free):
-            for j, scores in zip(group, _score_group(llm, [prompts[j] for j in group], [choices[j] for j in group])):
+            for j, scores in zip(group, _score_group(paged, [prompts[j] for j in group], [choices[j] for j in group])):
                 results[j] = scores
             group, used = [], 0
         if i is not None:
@@ -64,13 +65,13 @@ def _blocks(pool, prompt: list[int], choices: list[list[int]]) -> int:
 
 
 @torch.inference_mode()
-def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
-    pool, runner, bs = llm.pool, llm.runner, llm.block_size
-    seqs = [llm.adapters.stamp(Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0))
+def _score_group(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
+    pool, runner, bs = paged.pool, paged.runner, paged.block_size
+    seqs = [paged.stamp(Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0))
             for i, p in enumerate(prompts)]
     forks: list[Sequence] = []
     try:
-        last = _prompts(llm, seqs)  # (R, V) logits at each prompt's last token
+        last = _prompts(paged, seqs)  # (R, V) logits at each prompt's last token
         first = torch.log_softmax(last, dim=-1)
         totals = [[float(first[i, c[0]]) for c in cs] for i, cs in enumerate(choices)]
         work = []  # (row, choice index, fork)
@@ -79,14 +80,14 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
             for j, c in enumerate(cs):
                 if len(c) < 2:
                     continue
-                fork = llm.adapters.stamp(Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
+                fork = paged.stamp(Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
                                                    params=SamplingParams(max_tokens=1), seed=0))
                 fork.block_ids = pool.table(seq.block_ids[:full], fork.num_tokens)
                 if len(seq.prompt_token_ids) % bs:
-                    runner.copy_block(llm.cache, seq.block_ids[full], fork.block_ids[full])
+                    runner.copy_block(paged.cache, seq.block_ids[full], fork.block_ids[full])
                 forks.append(fork)
                 work.append((i, j, fork))
-        per_pass = max(1, min(llm.max_num_batched_tokens, LOGITS_BYTES // (runner.vocab_size * 4)))
+        per_pass = max(1, min(paged.max_num_batched_tokens, LOGITS_BYTES // (runner.vocab_size * 4)))
         start = 0
         while start < len(work):
             end, tokens = start, 0
@@ -94,7 +95,7 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
                 tokens += len(choices[work[end][0]][work[end][1]]) - 1
                 end += 1
             chunks = [ScheduledChunk(f, len(prompts[i]), len(choices[i][j]) - 1) for i, j, f in work[start:end]]
-            logits = runner.run(llm.cache, chunks, all_logits=True)
+            logits = runner.run(paged.cache, chunks, all_logits=True)
             lp = torch.log_softmax(logits, dim=-1)
             t = 0
             for i, j, _ in work[start:end]:
@@ -107,23 +108,23 @@ def _score_group(llm, prompts: list[list[int]], choices: list[list[list[int]]]) 
         for fork in forks:
             pool.release(fork.block_ids)
         for seq in seqs:
-            _name_full_blocks(llm, seq)
+            _name_full_blocks(paged, seq)
             pool.release(seq.block_ids)
     return [ChoiceScores(t, [len(c) for c in cs], len(p), num_cached_tokens=s.num_cached_tokens or 0)
             for t, cs, p, s in zip(totals, choices, prompts, seqs)]
 
 
-def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
+def _prompts(paged: PagedPass, seqs: list[Sequence]) -> torch.Tensor:
     """Computes the prompts into pool blocks; -> float32 logits (R, V) at each one's last token.
     A row whose next uncached block another row is computing (in this pass or, for a prefill
     longer than a pass, still) waits for it, so shared prefixes are computed once."""
-    pool, bs = llm.pool, llm.block_size
+    pool, bs = paged.pool, paged.block_size
     for seq in seqs:
-        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, llm.scheduler.salt_of(seq), seq.num_prompt_tokens - 1)
+        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, paged.salt_of(seq), seq.num_prompt_tokens - 1)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     pending = list(range(len(seqs)))
     while pending:
-        chunks, rows, later, budget = [], [], [], llm.max_num_batched_tokens
+        chunks, rows, later, budget = [], [], [], paged.max_num_batched_tokens
         # blocks rows already under way have yet to compute (their prefill may span passes)
         inflight = {name for r in pending if seqs[r].block_ids
                     for name in seqs[r].block_names[seqs[r].num_computed_tokens // bs:]}
@@ -145,11 +146,11 @@ def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             rows.append(r)
             budget -= n
-        logits = llm.runner.run(llm.cache, chunks)
+        logits = paged.runner.run(paged.cache, chunks)
         k = 0
         for chunk, r in zip(chunks, rows):
             chunk.seq.num_computed_tokens += chunk.count
-            _name_full_blocks(llm, chunk.seq)
+            _name_full_blocks(paged, chunk.seq)
             if chunk.samples:
                 out[r] = logits[k]
                 k += 1
@@ -159,10 +160,10 @@ def _prompts(llm, seqs: list[Sequence]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _name_full_blocks(llm, seq: Sequence) -> None:
+def _name_full_blocks(paged: PagedPass, seq: Sequence) -> None:
     """Names the row's computed full prompt blocks, so later rows find them cached."""
-    full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // llm.block_size
-    names = chain_hashes(seq.prompt_token_ids, llm.block_size, llm.scheduler.salt_of(seq), full * llm.block_size,
+    full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // paged.block_size
+    names = chain_hashes(seq.prompt_token_ids, paged.block_size, paged.salt_of(seq), full * paged.block_size,
                          seq.block_names)
     for i in range(min(full, len(seq.block_ids))):
-        llm.pool.name(seq.block_ids[i], names[i])
+        paged.pool.name(seq.block_ids[i], names[i])

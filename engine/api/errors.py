@@ -64,6 +64,12 @@ class ConstraintError(ValueError):
     timed out may compile on a less busy machine)."""
 
 
+class RegexTimeout(Exception):
+    """A regex of a finished output's check (a schema's `pattern`, a `regex` constraint) ran past
+    the row's time bound. The check turns it into that row's violation; a retry of the same output
+    runs past it the same way."""
+
+
 class GrammarBusy(ConstraintError):
     """A constraint was not tried: too many earlier ones are still compiling past their deadline.
     A retry (a later request with it) can help, once they have finished."""

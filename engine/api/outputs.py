@@ -147,6 +147,8 @@ class EmbeddingOutput:
     """Tokens the model read (after truncate_prompt_tokens); 0 when the row could not be tokenized."""
     error: str | None = None
     """Why the row failed; else None."""
+    prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    """The token ids the model read; None when the row could not be tokenized."""
 
 
 @dataclass
@@ -161,6 +163,8 @@ class ClassificationOutput:
     """Tokens the model read."""
     error: str | None = None
     """Why the row failed; else None."""
+    prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    """The token ids the model read; None when the row could not be tokenized."""
 
 
 @dataclass

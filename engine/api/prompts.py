@@ -1,6 +1,9 @@
 """The prompts of one call as a list, each with its own parameters (generate and the pooling calls)."""
 from __future__ import annotations
 
+Prompt = str | list[int]
+"""One prompt: its text, or its token ids."""
+
 
 def per_prompt(prompts, params, cls) -> tuple[list, list]:
     """One prompt (text or token ids) or a list of them, and one `cls` instance (None: its

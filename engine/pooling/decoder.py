@@ -8,23 +8,24 @@ from __future__ import annotations
 import torch
 
 from engine.api.sampling_params import SamplingParams
+from engine.core.paged import PagedPass
 from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import Sequence
 
 PARAMS = SamplingParams(max_tokens=1)
 
 
-def pooled_states(llm, rows: list[list[int]], kind: str) -> torch.Tensor:
+def pooled_states(paged: PagedPass, rows: list[list[int]], kind: str) -> torch.Tensor:
     """(R, H) float32: each row's token states pooled (MEAN, CLS, LAST or MAX). Rows are run in
     groups whose blocks fit the pool's free blocks; every row fits the pool (checked by the caller)."""
-    pool = llm.pool
+    pool = paged.pool
     out: list[torch.Tensor | None] = [None] * len(rows)
     group: list[int] = []
     used = 0
     for i in list(range(len(rows))) + [None]:
         need = -(-len(rows[i]) // pool.block_size) if i is not None else 0
         if group and (i is None or used + need > pool.num_free):
-            for j, vec in zip(group, _group(llm, [rows[j] for j in group], kind)):
+            for j, vec in zip(group, _group(paged, [rows[j] for j in group], kind)):
                 out[j] = vec
             group, used = [], 0
         if i is not None:
@@ -34,9 +35,9 @@ def pooled_states(llm, rows: list[list[int]], kind: str) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _group(llm, rows: list[list[int]], kind: str) -> list[torch.Tensor]:
-    pool = llm.pool
-    seqs = [llm.adapters.stamp(Sequence(index=i, prompt_token_ids=r, params=PARAMS, seed=0)) for i, r in enumerate(rows)]
+def _group(paged: PagedPass, rows: list[list[int]], kind: str) -> list[torch.Tensor]:
+    pool = paged.pool
+    seqs = [paged.stamp(Sequence(index=i, prompt_token_ids=r, params=PARAMS, seed=0)) for i, r in enumerate(rows)]
     acc: list[torch.Tensor | None] = [None] * len(rows)
     try:
         for seq in seqs:
@@ -44,7 +45,7 @@ def _group(llm, rows: list[list[int]], kind: str) -> list[torch.Tensor]:
             seq.num_computed_tokens = 0
         pending = list(range(len(seqs)))
         while pending:
-            chunks, budget = [], llm.max_num_batched_tokens
+            chunks, budget = [], paged.max_num_batched_tokens
             for r in pending:
                 if budget <= 0:
                     break
@@ -52,7 +53,7 @@ def _group(llm, rows: list[list[int]], kind: str) -> list[torch.Tensor]:
                 n = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
-            states = llm.runner.hidden_states(llm.cache, chunks)
+            states = paged.runner.hidden_states(paged.cache, chunks)
             t = 0
             for c in chunks:
                 part = states[t:t + c.count]

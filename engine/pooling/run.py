@@ -9,30 +9,34 @@ from typing import Sequence as Seq
 import torch
 import torch.nn.functional as F
 
-from engine.api.errors import EngineBusy
 from engine.api.outputs import BatchStats, ClassificationOutput, EmbeddingOutput, ScoringOutput
 from engine.api.pooling import PoolingParams
-from engine.api.prompts import per_prompt
+from engine.api.prompts import Prompt, per_prompt
+from engine.core.paged import PagedPass
 from engine.models.pooling import PoolingInfo
 from engine.pooling import decoder
 from engine.pooling.pooler import PostPooling, finish_embeddings, head_activation, pool_rows
 
-Prompt = str | list[int]
 
 
 class Pooler:
-    """The pooling side of one LLMEngine: an encoder runner of its own, or the engine's paged decoder."""
+    """The pooling side of one LLMEngine: an encoder runner of its own, or passes over the engine's
+    paged decoder. It holds the pieces it uses, never the engine."""
 
-    def __init__(self, llm, info: PoolingInfo, encoder=None):
-        self.llm = llm
+    def __init__(self, info: PoolingInfo, batch_stats: list[BatchStats], max_model_len: int,
+                 max_num_batched_tokens: int, *, encoder=None, paged: PagedPass | None = None):
         self.info = info
         self.encoder = encoder
-        """engine.pooling.encoder.EncoderRunner for encoders; None: the engine's ModelRunner (a decoder)."""
-        self.tokenizer = encoder.hf_tokenizer if encoder is not None else llm.runner.hf_tokenizer
-        self.vocab_size = encoder.vocab_size if encoder is not None else llm.runner.vocab_size
-        device = encoder.device if encoder is not None else llm.runner.device
-        self.post = PostPooling(info.dense, device) if info.dense else None
-        limits = [n for n in (info.max_len, llm.max_model_len) if n]
+        """engine.pooling.encoder.EncoderRunner for encoders; None: passes over the engine's pool (`paged`)."""
+        self.paged = paged
+        self.batch_stats = batch_stats
+        """The engine's list: one BatchStats per call is appended."""
+        self.budget = max_num_batched_tokens
+        runner = encoder if encoder is not None else paged.runner
+        self.tokenizer = runner.hf_tokenizer
+        self.vocab_size = runner.vocab_size
+        self.post = PostPooling(info.dense, runner.device) if info.dense else None
+        limits = [n for n in (info.max_len, max_model_len) if n]
         self.max_len = min(limits) if limits else None
         """Longest row the model reads."""
 
@@ -54,8 +58,8 @@ class Pooler:
                                      for i in good]) if good else []
         by_row = dict(zip(good, vectors))
         for i, row in enumerate(rows):
-            out.append(EmbeddingOutput(by_row[i], len(row), None) if i in by_row
-                       else EmbeddingOutput([], len(row or ()), errors[i]))
+            out.append(EmbeddingOutput(by_row[i], len(row), None, row) if i in by_row
+                       else EmbeddingOutput([], len(row or ()), errors[i], row))
         return out
 
     def classify(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None
@@ -67,11 +71,11 @@ class Pooler:
         out = []
         for i, row in enumerate(rows):
             if errors[i] is not None:
-                out.append(ClassificationOutput([], None, len(row or ()), errors[i]))
+                out.append(ClassificationOutput([], None, len(row or ()), errors[i], row))
                 continue
             probs = head_activation(logits[i][None], self.info)[0]
             values = probs if params[i].use_activation is not False else logits[i]
-            out.append(ClassificationOutput(values.tolist(), self.info.labels[int(probs.argmax())], len(row)))
+            out.append(ClassificationOutput(values.tolist(), self.info.labels[int(probs.argmax())], len(row), None, row))
         return out
 
     def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt],
@@ -106,15 +110,8 @@ class Pooler:
 
     def _check(self, task: str) -> None:
         self.info.check(task)
-        if self.llm.has_unfinished():
-            raise EngineBusy(f"{task}() called while generation requests are still running")
 
     # -- rows ------------------------------------------------------------------------------------
-
-    def token_ids(self, prompts: list, params: list[PoolingParams]) -> list[list[int] | None]:
-        """Each prompt's token ids as embed and classify run it (truncated as its params say);
-        None for a prompt that is that row's error."""
-        return self._rows(prompts, params)[0]
 
     def _rows(self, prompts: list, params: list[PoolingParams]):
         rows: list[list[int] | None] = []
@@ -196,13 +193,13 @@ class Pooler:
             return {}
         idx = sorted(pooled)
         heads = self.encoder.head(torch.stack([pooled[i] for i in idx])) if self.encoder is not None else \
-            self.llm.runner.model.score(torch.stack([pooled[i] for i in idx]).to(self.llm.runner.dtype)).float()
+            self.paged.runner.model.score(torch.stack([pooled[i] for i in idx]).to(self.paged.runner.dtype)).float()
         return dict(zip(idx, heads))
 
     def _pool(self, rows, errors, types=None) -> dict[int, torch.Tensor]:
         """Row index -> pooled state (H,) of every row without an error, longest first under the budget."""
         todo = sorted((i for i in range(len(rows)) if errors[i] is None), key=lambda i: -len(rows[i]))
-        budget = self.llm.max_num_batched_tokens
+        budget = self.budget
         out: dict[int, torch.Tensor] = {}
         start_time, passes, computed = time.perf_counter(), 0, 0
         start = 0
@@ -219,7 +216,7 @@ class Pooler:
             start = end
         if todo:
             lens = [len(rows[i]) for i in todo]
-            self.llm.batch_stats.append(BatchStats(
+            self.batch_stats.append(BatchStats(
                 rows=len(todo), max_prompt_len=max(lens), max_new_tokens=0, reserved_tokens=0,
                 prompt_tokens=sum(lens), padded_prompt_tokens=computed, peak_rows=len(todo), prefill_steps=passes,
                 seconds=time.perf_counter() - start_time))
@@ -228,7 +225,7 @@ class Pooler:
     def _pass(self, rows: list[list[int]], types) -> torch.Tensor:
         kind = self.info.pooling_type
         if self.encoder is None:
-            return decoder.pooled_states(self.llm, rows, kind)
+            return decoder.pooled_states(self.paged, rows, kind)
         states = self.encoder.states(rows, types)
         return pool_rows(states, [len(r) for r in rows], kind)
 

@@ -2,6 +2,9 @@
 refusing, in one line, an architecture that attention cannot run."""
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -124,6 +127,36 @@ def prepare_load(config: EngineConfig, model_dir: Path) -> str:
         raise ModelLoadError(f"cannot load model config from {model_dir}: {one_line(exc)}") from exc
     _import_model_code(hf_config)
     return attention.register()
+
+
+FRAME_KEEPERS = ("torch._dynamo", "torch.distributed._functional_collectives")
+"""Modules whose first import keeps the frames that imported it: each calls torch.fx's `wrap` at
+its top level, which holds its own frame in a cycle. Imported below an engine's constructor, that
+chain of frames would keep the engine alive until the cyclic collector runs."""
+
+
+def import_apart(names: tuple[str, ...] = FRAME_KEEPERS) -> None:
+    """Imports `names` not imported yet in a thread of their own, so the frames they keep are that
+    thread's, never an engine constructor's (transformers imports torch._dynamo lazily)."""
+    missing = [n for n in names if n not in sys.modules]
+    if not missing:
+        return
+    failed: list[BaseException] = []
+
+    def work():
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass  # an optional part of torch: nothing of it will be imported later either
+            except BaseException as exc:  # noqa: BLE001  raised again in the caller's thread
+                failed.append(exc)
+
+    thread = threading.Thread(target=work, name="import-apart")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _import_model_code(hf_config) -> None:

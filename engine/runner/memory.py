@@ -126,14 +126,14 @@ def _proc_status(field: str) -> int | None:
 
 
 @torch.inference_mode()
-def profile_pool_blocks(llm) -> int:
-    """Blocks of the pool on this CUDA device for `llm` (an LLMEngine being built)."""
-    runner, bs = llm.runner, llm.block_size
+def profile_pool_blocks(runner, bs: int, max_num_batched_tokens: int, max_model_len: int, util: float) -> int:
+    """Blocks of `bs` tokens of the KV pool on this CUDA device for an engine being built around
+    `runner`, under `util` (gpu_memory_utilization), after a profiling pass of a full budget."""
     device = runner.device
-    tokens = llm.max_num_batched_tokens
+    tokens = max_num_batched_tokens
     rows = []
     while tokens > 0:
-        n = min(tokens, llm.max_model_len)
+        n = min(tokens, max_model_len)
         rows.append(n)
         tokens -= n
     blocks = sum(-(-n // bs) for n in rows)
@@ -154,7 +154,6 @@ def profile_pool_blocks(llm) -> int:
     del probe
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    util = llm.config.gpu_memory_utilization
     outside, live = runner.memory_before_load or (0, 0)  # not measured at load: all of it counts
     if total - outside - live < int(total * util):
         raise PoolSizingError(f"gpu_memory_utilization={util} asks for {total * util / 2**30:.1f} GiB of the "
@@ -166,13 +165,13 @@ def profile_pool_blocks(llm) -> int:
     own_outside = max(0, total - free - torch.cuda.memory_reserved(device) - outside)
     budget = int(total * util) - (peak - live) - own_outside - prompt_logits_bytes(runner.vocab_size)
     num = budget // per_block if per_block else 0
-    if num * bs < llm.max_model_len:
-        raise PoolSizingError(f"gpu_memory_utilization={llm.config.gpu_memory_utilization} leaves room for "
+    if num * bs < max_model_len:
+        raise PoolSizingError(f"gpu_memory_utilization={util} leaves room for "
                               f"{num * bs} KV tokens after weights and activations (peak {peak / 2**30:.1f} GiB "
-                              f"of {total / 2**30:.1f} GiB), fewer than max_model_len ({llm.max_model_len}): raise it, "
+                              f"of {total / 2**30:.1f} GiB), fewer than max_model_len ({max_model_len}): raise it, "
                               "lower max_model_len or max_num_batched_tokens, or set max_batch_tokens")
     log.info("KV pool: %d blocks of %d tokens (%.1f GiB) from gpu_memory_utilization=%.2f", num, bs,
-             num * per_block / 2**30, llm.config.gpu_memory_utilization)
+             num * per_block / 2**30, util)
     return int(num)
 
 

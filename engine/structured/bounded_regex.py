@@ -18,18 +18,16 @@ from contextvars import ContextVar
 
 import regex
 
+from engine.api.errors import RegexTimeout
+
 REGEX_SECONDS = 1.0
 """Longest one row's check may spend in regexes, in seconds."""
 
 _deadline: ContextVar[float | None] = ContextVar("batchinfer_regex_deadline", default=None)
 
 
-class RegexTimeout(Exception):
-    """A regex of the check ran past the row's bound."""
-
-    def __init__(self, pattern: str):
-        self.pattern = pattern
-        super().__init__(f"a regex ran past the check's bound of {REGEX_SECONDS:g} s: {pattern[:80]!r}")
+def _timeout(pattern: str) -> RegexTimeout:
+    return RegexTimeout(f"a regex ran past the check's bound of {REGEX_SECONDS:g} s: {pattern[:80]!r}")
 
 
 class Deadline:
@@ -53,12 +51,12 @@ def search(pattern: str, text: str, full: bool = False) -> bool:
     deadline = _deadline.get()
     timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     if timeout == 0.0:
-        raise RegexTimeout(pattern)
+        raise _timeout(pattern)
     try:
         compiled = regex.compile(pattern)
         found = compiled.fullmatch(text, timeout=timeout) if full else compiled.search(text, timeout=timeout)
     except TimeoutError:
-        raise RegexTimeout(pattern) from None
+        raise _timeout(pattern) from None
     return found is not None
 
 

@@ -15,9 +15,9 @@ import re
 
 import regex
 
-from engine.api.errors import ConstraintError
+from engine.api.errors import ConstraintError, RegexTimeout
 from engine.api.structured_outputs import VIOLATION, StructuredOutputsParams
-from engine.structured.bounded_regex import Deadline, RegexTimeout, bounded_validator, search
+from engine.structured.bounded_regex import Deadline, bounded_validator, search
 
 MESSAGE_CHARS = 200
 """Longest cause a violation quotes (the rest is cut with '...')."""

@@ -124,3 +124,33 @@ def test_every_engine_exception_lives_in_api_errors_and_is_exported_by_engine():
                  and any(isinstance(b, ast.Name) and (b.id.endswith(("Error", "Exception")) or b.id in declared)
                          for b in n.bases)}
     assert not elsewhere, f"exceptions declared outside engine/api/errors.py: {sorted(elsewhere)}"
+
+
+ENGINE_NAMES = ("llm", "engine", "llm_engine")
+"""Parameter names that hold an engine."""
+
+
+def takes_the_engine(source: str) -> list[str]:
+    """The functions of `source` that take an engine: a parameter named for one or annotated LLMEngine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any(a.arg in ENGINE_NAMES or (a.annotation is not None and "LLMEngine" in ast.unparse(a.annotation))
+                   for a in args):
+                found.append(node.name)
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in KNOWN if package(m) in MAY_IMPORT))
+def test_nothing_below_the_top_takes_the_engine(module):
+    """The packages take the pieces they use (engine.core.paged.PagedPass, a runner, a salt
+    function), never the engine: an engine held below the top made a cycle, and `del llm` freed
+    nothing until the cyclic collector ran."""
+    assert not takes_the_engine(KNOWN[module].read_text()), f"{module}: {takes_the_engine(KNOWN[module].read_text())}"
+
+
+def test_the_engine_rule_catches_a_function_taking_the_engine():
+    assert takes_the_engine("def f(llm, rows):\n    pass\n") == ["f"]
+    assert takes_the_engine("def f(x: 'LLMEngine'):\n    pass\n") == ["f"]
+    assert not takes_the_engine("def f(paged, rows):\n    pass\n")

@@ -325,9 +325,7 @@ def test_the_pool_sized_from_the_card_counts_this_engines_share_only(monkeypatch
         runner = types.SimpleNamespace(device=torch.device("cuda", 0), memory_before_load=before,
                                        new_cache=lambda n, bs: Probe(), run=lambda cache, chunks: None,
                                        drop_cache=lambda cache: None, vocab_size=32000)
-        llm = types.SimpleNamespace(runner=runner, block_size=16, max_num_batched_tokens=1024, max_model_len=1024,
-                                    config=types.SimpleNamespace(gpu_memory_utilization=util))
-        return memory.profile_pool_blocks(llm)
+        return memory.profile_pool_blocks(runner, 16, 1024, 1024, util)
 
     prompt_logits = 2 * ((256 << 20) // (4 * 32000)) * 32000 * 4  # what collecting prompt logprobs keeps: ~512 MiB
     share = (int(total * 0.45) - peak - workspaces - prompt_logits) // (1 << 20)  # 23 GiB of 1 MiB blocks

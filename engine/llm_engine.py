@@ -11,8 +11,7 @@ import torch
 from engine.api.config import CPU_POOL_TOKENS, EngineConfig
 from engine.api.errors import EngineBusy
 from engine.api.lora import LoRARequest, per_prompt_lora
-from engine.api.outputs import BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput, ScoringOutput
-from engine.api.pooling import PoolingParams
+from engine.api.outputs import BatchStats, Completion
 from engine.api.prompts import Prompt, per_prompt
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
@@ -24,7 +23,7 @@ from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
 from engine.core.paged import PagedPass
-from engine.pooling import EncoderRunner, Pooler, score_pairs
+from engine.pooling import EncoderRunner, Pooler
 from engine.runner.loader import import_apart
 from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
@@ -33,7 +32,7 @@ from engine.sample.finish import finish_rows
 from engine.sample.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
-from engine.scoring import score_choices
+from engine.reading_calls import ReadingCalls
 from engine.structured import GrammarBackend
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 NO_LORA = "LoRA is not enabled (set enable_lora)"
 
 
-class LLMEngine:
+class LLMEngine(ReadingCalls):
     """A single-process generation engine.
 
     >>> llm = LLMEngine(EngineConfig(model="builtin:tiny"))
@@ -328,36 +327,6 @@ class LLMEngine:
         self.batch.remove(chunked)
         self.runner.release_cached_memory()
 
-    def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]],
-                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ChoiceScores]:
-        """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
-        prompts[i]. A text choice after a text prompt is tokenized as part of prompt + choice (its
-        tokens are those beyond the prompt's), so write it as it would continue the prompt, e.g.
-        with its leading space. One ChoiceScores per row; rows of each adapter (lora_request: one
-        for all rows or one per row) are scored together."""
-        self.pooling_info.check("generate")
-        if len(prompts) != len(choices):
-            raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
-        loras = per_prompt_lora(lora_request, len(prompts))
-        prompt_ids, choice_ids, failed = [], [], {}
-        for i, (p, cs) in enumerate(zip(prompts, choices)):
-            try:
-                ids = self._tokenize(p)
-                cids = [self.tokenizer.continuation(p, ids, c) for c in cs]
-            except (TypeError, ValueError) as exc:
-                failed[i] = str(exc)
-                ids, cids = [], []
-            prompt_ids.append(ids)
-            choice_ids.append(cids)
-        if self.has_unfinished():
-            raise EngineBusy("score_choices() called while generation requests are still running")
-        scores = self.adapters.per_adapter(
-            loras, lambda rows: score_choices(self.paged, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows]),
-            lambda message: ChoiceScores([], [], 0, message))
-        for i, message in failed.items():
-            scores[i] = ChoiceScores([], [], 0, message)
-        return scores
-
     def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[Completion]:
         """Runs every prompt to completion; one Completion per prompt, in input order. lora_request:
@@ -376,41 +345,3 @@ class LLMEngine:
             self.abort(f"generation stopped: {type(exc).__name__}")
             raise
         return [s.to_completion() for s in seqs]
-
-    # -- pooling (engine.pooling) ----------------------------------------------------------------
-
-    def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingOutput]:
-        """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
-        self._pooling_idle("embed")
-        return self._pool_rows(self.pooler.embed, prompts, pooling_params, lora_request,
-                               lambda message: EmbeddingOutput([], 0, message))
-
-    def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ClassificationOutput]:
-        """Class probabilities (and the most probable id2label name) per prompt, in input order."""
-        self._pooling_idle("classify")
-        return self._pool_rows(self.pooler.classify, prompts, pooling_params, lora_request,
-                               lambda message: ClassificationOutput([], None, 0, message))
-
-    def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
-              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoringOutput]:
-        """One score per pair (one text_1 for every text_2, or two lists): a cross-encoder's, or a cosine."""
-        self._pooling_idle("score")
-        firsts, seconds = score_pairs(text_1, text_2)
-        return self.adapters.per_adapter(
-            per_prompt_lora(lora_request, len(firsts)),
-            lambda rows: self.pooler.score([firsts[i] for i in rows], [seconds[i] for i in rows], pooling_params),
-            lambda message: ScoringOutput(None, 0, message))
-
-    def _pooling_idle(self, task: str) -> None:
-        self.pooling_info.check(task)
-        if self.has_unfinished():
-            raise EngineBusy(f"{task}() called while generation requests are still running")
-
-    def _pool_rows(self, task, prompts, pooling_params, lora_request, failed) -> list:
-        """embed / classify: the pooler's `task` over the prompts, once per adapter they run under."""
-        prompts, params = per_prompt(prompts, pooling_params, PoolingParams)
-        return self.adapters.per_adapter(per_prompt_lora(lora_request, len(prompts)),
-                                         lambda rows: task([prompts[i] for i in rows], [params[i] for i in rows]),
-                                         failed)

@@ -212,3 +212,77 @@ class RunRecord(Counts):
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+JOB_RECORD = "_job.json"
+"""Where an output keeps its JobRecord."""
+
+
+@dataclass(kw_only=True)
+class JobRecord:
+    """What an output directory remembers of the job that owns it (`_job.json`): written when the
+    output starts, added to as a run learns more, read by every rerun to decide whether it resumes
+    this output and how. Later versions read it, so a field is only ever added; keys this version
+    does not know are kept as read and written back (`unknown`). EARLIER_SHAPES says how the
+    records of earlier versions, which lack some fields, are read."""
+
+    fingerprint: str | None = None
+    """The spec's fingerprint (JobSpec.fingerprint()): a rerun with another is refused, unless it
+    only differs in what stopped counting (pipeline.spec.fingerprint), when it is re-recorded."""
+    created: float | None = None
+    """Unix time the output started; OpenAI Batch output lines carry it, the same on every resume."""
+    shard_plan: str | None = None
+    """How the input is cut into shards: "segments" (JSONL files over segment_bytes planned in
+    segments), "bytes" (whole files, shards ended by bytes); None: see EARLIER_SHAPES."""
+    segment_bytes: int | None = None
+    """With shard_plan "segments": the segment size."""
+    numerics: dict | None = None
+    """{"dtype", "device"} the output computes in (JobSpec.numerics()): a resume must compute alike."""
+    spec: dict | None = None
+    """The spec the output started with, as JSON with its fingerprint, secrets redacted: its
+    rows_per_batch and shard_bytes keep cutting the same shards on every resume."""
+    adapters: dict | None = None
+    """LoRA: adapter name -> digest of its files (pipeline.run.adapters): an adapter whose files
+    changed is refused, one added to a lora.each job computes only its rows."""
+    plan_blocks: int | None = None
+    """Planning tasks of the latest run (each writes a record under _plan/)."""
+    ids_unique: bool | None = None
+    """True once input.id_column's values were checked unique: resumes skip the check."""
+    batchinfer_version: str | None = None
+    """The batchinfer that started the output."""
+    unknown: dict = field(default_factory=dict)
+    """Keys of a newer batchinfer's record, kept as read."""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> JobRecord:
+        names = {f.name for f in dataclasses.fields(cls)} - {"unknown"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   unknown={k: v for k, v in data.items() if k not in names})
+
+    def to_dict(self) -> dict:
+        """The fields set (a record of an earlier version keeps lacking what it lacked), then `unknown`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "unknown" and getattr(self, f.name) is not None}
+        return out | self.unknown
+
+    @classmethod
+    def read(cls, out) -> JobRecord | None:
+        """The record of `out` (a pipeline.io.output.OutputDir), or None on an output no job started."""
+        data = out.read_json(JOB_RECORD)
+        return cls.from_dict(data) if data is not None else None
+
+    def save(self, out) -> None:
+        out.write_json(JOB_RECORD, self.to_dict())
+
+
+EARLIER_SHAPES = (
+    ("no shard_plan", "an output of batchinfer before shard_bytes: shards cut every workers.rows_per_batch rows "
+                      "(256 by default), whole files (pipeline.run.planner.shard_plan)"),
+    ("shard_plan bytes", "before large files were planned in segments: whole files, shards ended by bytes"),
+    ("no numerics", "before outputs recorded them: a resumed one computed on CPU unless its spec set workers.gpus "
+                    "(pipeline.run.claim.choose_devices); a complete one is not checked"),
+    ("no adapters", "no LoRA, or before adapter digests were kept: the next run with adapters records them"),
+    ("no ids_unique", "the unique-id check runs once more, then is recorded"),
+    ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
+)
+"""How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""

@@ -16,21 +16,21 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from engine.api import one_line
-from pipeline.errors import InputError, JobError, LockHeld, OutputConflict, ResourceError
-from pipeline.io import PLAN_DIR, IndexWriter, OutputDir, RunLock, RunRecord, Storage, redact_spec
+from pipeline.errors import InputError, JobError, LockHeld, ResourceError
+from pipeline.io import PLAN_DIR, IndexWriter, JobRecord, OutputDir, RunLock, RunRecord, Storage
 from pipeline.run import chaos
-from pipeline.run.adapters import adapters_conflict, check_adapters, with_adapters
+from pipeline.run.adapters import check_adapters, with_adapters
+from pipeline.run.claim import choose_devices, claim
 from pipeline.run.dataflow import execute
 from pipeline.run.manifest import build_manifest, final_files
-from pipeline.run.planner import ShardPlan, new_plan_record, plan_blocks, planned_by, shard_plan
+from pipeline.run.planner import ShardPlan, plan_blocks, planned_by, shard_plan
 from pipeline.run.preflight import preflight
 from pipeline.run.progress import as_progress
 from pipeline.run.ray_env import ensure_ray
 from pipeline.run.report import PartTotals
-from pipeline.run.devices import picks_devices, resolve_devices
 from pipeline.run.resources import check_resources
 from pipeline.run.unique_ids import check_unique_ids
-from pipeline.spec import Job, resumes
+from pipeline.spec import Job
 
 log = logging.getLogger("batchinfer")
 
@@ -89,19 +89,27 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
 
 def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress,
                 adapters: dict[str, str]) -> JobResult:
-    record = _claim_output(out, job, overwrite)
-    conflict = adapters_conflict(job.spec.output.path, record.get("adapters"), adapters)
-    if conflict:
-        raise OutputConflict(conflict)
-    if adapters and record.get("adapters") != adapters:
-        if record.get("adapters") is not None:
-            out.reopen()  # an adapter was added: its rows are still to compute
-        record["adapters"] = adapters
-        out.write_json("_job.json", record)
+    """The run, step by step, under the output's lock."""
+    record = claim(out, job, overwrite, adapters)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()
-    chosen = _choose_devices(job, out, record, progress)
+    _reserve(job, out, record, run, progress)
+    _remove_half_written(out)
+    out.write_run(run)
+    chaos.point("listed")
+    resume = out.storage.exists(out.storage.path("data"))
+    plan = _plan(job, out, record, files, resume, progress)
+    _check_ids(job, out, record, files, plan, progress)
+    index, totals = _generate(job, out, record, files, resume, plan, run, progress)
+    _check_every_shard_committed(out, record, run, totals)
+    chaos.point("generated")
+    return _complete(job, out, record, run, index, totals)
+
+
+def _reserve(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, progress) -> None:
+    """The devices (batchinfer picks GPUs where it may) and the cluster's room for the workers."""
+    chosen = choose_devices(job, out, record, progress)
     run.set_workers(job.spec.workers)  # GPU-hours where batchinfer picked GPUs
     tp = job.spec.engine.tensor_parallel_size
     try:
@@ -109,12 +117,16 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
                         if chosen else "workers.gpus")
     except ResourceError as exc:
         raise JobError(str(exc)) from None
+
+
+def _remove_half_written(out: OutputDir) -> None:
     removed = out.storage.remove_temporaries(out.storage.path("data"))
     if removed:
         log.info("removed %d half-written parts left by an earlier crash", removed)
-    out.write_run(run)
-    chaos.point("listed")
-    resume = out.storage.exists(out.storage.path("data"))
+
+
+def _plan(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, progress) -> ShardPlan:
+    """The output's shard plan (the one it started with), its planning records cleared for this run."""
     try:
         plan = shard_plan(job.spec, record)
     except InputError as exc:
@@ -123,26 +135,45 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
     if resume and planned != asked:
         progress(f"the output keeps the shards it started with (workers.rows_per_batch {planned[0]}, shard_bytes "
                  f"{planned[1]}); the spec's {asked[0]} and {asked[1]} apply to a new output")
-    _start_plan(out, record, files, plan)
-    progress(f"{len(files)} input files, planned by {record['plan_blocks']} Ray tasks"
+    out.storage.remove_tree(out.storage.path(PLAN_DIR))
+    blocks = plan_blocks(files, plan.segment_bytes)
+    if record.plan_blocks != blocks:
+        record.plan_blocks = blocks
+        record.save(out)
+    progress(f"{len(files)} input files, planned by {record.plan_blocks} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))
-    if job.spec.input.id_column and not record.get("ids_unique"):
+    return plan
+
+
+def _check_ids(job: Job, out: OutputDir, record: JobRecord, files, plan: ShardPlan, progress) -> None:
+    """input.id_column's values unique, checked once per output."""
+    if job.spec.input.id_column and not record.ids_unique:
         progress("checking that id_column values are unique")
         check_unique_ids(job.spec, files, plan)
-        record["ids_unique"] = True
-        out.write_json("_job.json", record)
+        record.ids_unique = True
+        record.save(out)
+
+
+def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, plan: ShardPlan, run: RunRecord,
+              progress) -> tuple[IndexWriter, PartTotals]:
+    """Every shard not committed yet, through the Ray Data pipeline, the run's record kept current:
+    the part index written, and the totals over every committed part."""
     index = IndexWriter(out, run.run_id)
     run.start_generating()
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
-        created = int(record.get("created") or time.time())
+        created = int(record.created or time.time())
         totals = execute(replace(job, created=created), files, resume, plan, run, index, progress)
     except BaseException:
         run.end("failed")  # its generation time up to the failure counts in the job's usage
         out.write_run(run)
         raise
+    return index, totals
+
+
+def _check_every_shard_committed(out: OutputDir, record: JobRecord, run: RunRecord, totals: PartTotals) -> None:
     run.touch()
-    plan = out.plan_summary(record.get("plan_blocks"))
+    plan = out.plan_summary(record.plan_blocks)
     if plan is None:
         raise JobError(f"the planning records under {out.storage.uri(out.storage.path(PLAN_DIR))} are incomplete "
                        "after the run (was the output changed while it ran?); rerun to resume")
@@ -152,11 +183,9 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
     run.planning = plan
     run.end("done")
     out.write_run(run)
-    chaos.point("generated")
-    return _complete(job, out, record, run, index, totals)
 
 
-def _complete(job: Job, out: OutputDir, record: dict, run: RunRecord, index: IndexWriter,
+def _complete(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, index: IndexWriter,
               totals: PartTotals) -> JobResult:
     finals = final_files(job.spec, out, index.pointer())
     manifest = build_manifest(job, out, index, totals, record, run) | finals
@@ -168,93 +197,6 @@ def _complete(job: Job, out: OutputDir, record: dict, run: RunRecord, index: Ind
     if manifest["status"] == "complete":
         out.mark_success()
     return _result(manifest["status"], out, manifest, run)
-
-
-def _start_plan(out: OutputDir, record: dict, files, plan: ShardPlan) -> None:
-    """Clears the planning records of earlier runs and notes how many this run's tasks write."""
-    out.storage.remove_tree(out.storage.path(PLAN_DIR))
-    blocks = plan_blocks(files, plan.segment_bytes)
-    if record.get("plan_blocks") != blocks:
-        record["plan_blocks"] = blocks
-        out.write_json("_job.json", record)
-
-
-def _claim_output(out: OutputDir, job: Job, overwrite: bool) -> dict:
-    """The output's _job.json record: this job's (written now on a fresh output), or an error
-    when the output holds another job's."""
-    try:
-        if overwrite:
-            out.clear()
-        record = out.read_json("_job.json")
-        if record is not None and record.get("fingerprint") not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
-            if not resumes(job.spec, record.get("spec")):
-                raise OutputConflict(_conflict(job, record))
-            # written by an earlier version that counted a setting since found never to change a row
-            record["fingerprint"] = job.fingerprint
-            out.write_json("_job.json", record)
-        numerics = job.spec.numerics()
-        # (older outputs did not record them; a complete one is not resumed, whatever would compute;
-        # where batchinfer picks the devices, _choose_devices checks once it has the cluster)
-        if record is not None and record.get("numerics", numerics) != numerics and not out.is_complete() \
-                and not picks_devices(job.spec):
-            raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
-        if record is None:
-            spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
-            record = {"fingerprint": job.fingerprint, "created": time.time(), **new_plan_record(),
-                      "numerics": numerics, "spec": redact_spec(spec)}
-            out.write_json("_job.json", record)
-        return record
-    except OutputConflict:
-        raise
-    except (OSError, PermissionError, ValueError) as exc:
-        raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
-
-
-def _choose_devices(job: Job, out: OutputDir, record: dict, progress) -> bool:
-    """engine.device auto with workers.gpus unset: GPUs where the cluster has them (one per rank).
-    A fresh output records the numerics chosen; a resumed one generated on CPU stays on CPU.
-    Returns whether batchinfer chose GPUs."""
-    resumed = out.storage.exists(out.storage.path("data"))
-    was = record.get("numerics")
-    if was is None and resumed:  # written before outputs recorded them: on CPU unless its spec asked for GPUs
-        recorded = (record.get("spec") or {}).get("workers") or {}
-        was = {"device": "cuda" if recorded.get("gpus") else "cpu"}
-    was = was or {}
-    choice = resolve_devices(job.spec, keep_cpu=resumed and was.get("device") == "cpu")
-    progress(choice.line)
-    numerics = job.spec.numerics()
-    if choice.resolved and record.get("numerics") != numerics:
-        if resumed and "numerics" in record:
-            raise OutputConflict(_numerics_conflict(job, record["numerics"], numerics))
-        record["numerics"] = numerics
-        out.write_json("_job.json", record)
-    return choice.resolved and choice.gpus > 0
-
-
-def _conflict(job: Job, record: dict) -> str:
-    where = job.spec.output.path
-    if "shard_plan" not in record and job.spec.workers.rows_per_batch is None:
-        # an output of batchinfer before shard_bytes, whose shards held rows_per_batch rows (default 256)
-        return (f"{where} was started by an earlier batchinfer that cut shards every workers.rows_per_batch rows "
-                f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
-    recorded_model = (record.get("spec") or {}).get("model")
-    if recorded_model == "builtin:tiny" and "model" not in job.spec.model_fields_set and recorded_model != job.spec.model:
-        # builtin:tiny was the default model before builtin:smollm2-135m-instruct
-        return (f"{where} was generated by builtin:tiny, the default model of earlier versions (now "
-                f"{job.spec.model}): add `model: builtin:tiny` to the spec to resume it, or use --overwrite")
-    return (f"{where} holds the output of a different job spec (fingerprint {record.get('fingerprint')} != "
-            f"{job.fingerprint}); use --overwrite to replace it")
-
-
-def _numerics_conflict(job: Job, was: dict, now: dict) -> str:
-    def say(n: dict) -> str:
-        return f"{n['dtype']} on {n['device']}"
-
-    how = ("workers.gpus 0" if was["device"] == "cpu" else "workers.gpus > 0") if job.spec.engine.device == "auto" \
-        else f"engine.device {was['device']}"
-    return (f"{job.spec.output.path} was generated in {say(was)}, and this run would compute in {say(now)} "
-            f"(engine.device {job.spec.engine.device}, engine.dtype {job.spec.engine.dtype}, workers.gpus "
-            f"{job.spec.workers.gpus:g}), which gives other rows: resume it with {how}, or use --overwrite to start afresh")
 
 
 def _result(status, out: OutputDir, manifest: dict, run: RunRecord) -> JobResult:

@@ -6,7 +6,7 @@ import platform
 import time
 
 from engine import __version__
-from pipeline.io import LAYOUT, IndexWriter, OutputDir, RunRecord, entries, redact_spec
+from pipeline.io import LAYOUT, IndexWriter, JobRecord, OutputDir, RunRecord, entries, redact_spec
 from pipeline.run.metrics import MetricsAccumulator, write_metrics
 from pipeline.run.openai_files import write_batch_files
 from pipeline.run.sample_metrics import SampleMetrics
@@ -37,7 +37,7 @@ def final_files(spec: JobSpec, out: OutputDir, index: dict) -> dict:
     return extra
 
 
-def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTotals, record: dict,
+def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTotals, record: JobRecord,
                    run: RunRecord) -> dict:
     """Counts, usage and pointers; the parts are listed in the index it points to. `record` is
     the output's _job.json, `run` this run's record."""
@@ -56,7 +56,7 @@ def build_manifest(job: Job, out: OutputDir, index: IndexWriter, totals: PartTot
         "usage": usage(out.read_runs(), data["generated_tokens"], job.spec.report.price_per_hour),
         "index": index.pointer(),
         "planning": run.planning,
-        "created": record.get("created"),
+        "created": record.created,
         "finished": time.time(),
         "this_run": run.counts() | {"run_id": run.run_id, "generate_seconds": run.generate_seconds,
                                     "wall_seconds": run.finished - run.started,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import pyarrow as pa
 
 from pipeline.errors import InputError
-from pipeline.io import OutputDir, Shard, Storage, plan_file, plan_segment
+from pipeline.io import JobRecord, OutputDir, Shard, Storage, plan_file, plan_segment
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -67,27 +67,27 @@ def new_plan_record() -> dict:
     return {"shard_plan": "segments", "segment_bytes": SEGMENT_BYTES}
 
 
-def shard_plan(spec: JobSpec, record: dict) -> ShardPlan:
+def shard_plan(spec: JobSpec, record: JobRecord) -> ShardPlan:
     """The shard plan of an output, from its _job.json record: the rows_per_batch and shard_bytes
     of the spec it recorded when it started (a resume may set others: they apply to new outputs).
     Outputs of earlier versions keep theirs: rows only (no `shard_plan`), or bytes with whole
     files ("bytes")."""
     rows, size = planned_by(spec, record)
-    kind = record.get("shard_plan")
+    kind = record.shard_plan
     if kind is None:
         return ShardPlan(rows or LEGACY_ROWS_PER_SHARD, None)
     if kind == "bytes":
         return ShardPlan(rows, size)
-    if kind == "segments" and isinstance(record.get("segment_bytes"), int):
-        return ShardPlan(rows, size, record["segment_bytes"])
+    if kind == "segments" and isinstance(record.segment_bytes, int):
+        return ShardPlan(rows, size, record.segment_bytes)
     raise InputError(f"the output was started by a newer batchinfer (shard plan {kind!r}); "
                      "upgrade batchinfer to resume it, or use --overwrite")
 
 
-def planned_by(spec: JobSpec, record: dict) -> tuple[int | None, int]:
+def planned_by(spec: JobSpec, record: JobRecord) -> tuple[int | None, int]:
     """(rows_per_batch, shard_bytes) that cut the output's shards: those of the spec its _job.json
     recorded, where it recorded them, else the job's."""
-    recorded = (record.get("spec") or {}).get("workers")
+    recorded = (record.spec or {}).get("workers")
     recorded = recorded if isinstance(recorded, dict) else {}
     rows = recorded.get("rows_per_batch", spec.workers.rows_per_batch)
     size = recorded.get("shard_bytes", spec.workers.shard_bytes)

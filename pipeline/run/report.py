@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from pipeline.io import SUMMARY_FIELDS, CommitRecord, OutputDir, RunRecord, Storage, entries
+from pipeline.io import SUMMARY_FIELDS, CommitRecord, JobRecord, OutputDir, RunRecord, Storage, entries
 
 TIMINGS = ("seconds", "read_seconds", "engine_seconds", "commit_seconds", "idle_seconds")
 """Per-shard times in a commit record: total, reading, the engine, committing, and the actor's
@@ -98,12 +98,12 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
     """What an output directory says about its job, complete or not. A complete one is read
     through its part index; a partial one from the commit records of its committed shards."""
     storage = Storage(url, storage_options or {})
-    job = OutputDir(storage, "parquet").read_json("_job.json")
-    if job is None:
+    job = JobRecord.read(OutputDir(storage, "parquet"))
+    if job is None or job.spec is None:
         raise FileNotFoundError(f"{url} holds no batchinfer job (no _job.json)")
-    out = OutputDir(storage, job["spec"]["output"]["format"])
+    out = OutputDir(storage, job.spec["output"]["format"])
     manifest = out.read_json("manifest.json")
-    price = job["spec"].get("report", {}).get("price_per_hour")
+    price = job.spec.get("report", {}).get("price_per_hour")
     if out.is_complete() and manifest and "index" in manifest:
         data = build_report(out, map(CommitRecord.from_dict, entries(out, manifest)), price)
         metrics = out.read_json("metrics.json") or {}

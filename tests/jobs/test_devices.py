@@ -102,7 +102,7 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
     from pipeline.errors import OutputConflict
     from pipeline.io import OutputDir, Storage
     from pipeline.run import devices
-    from pipeline.run.driver import _choose_devices, _claim_output
+    from pipeline.run.claim import choose_devices, claim
     from pipeline.spec import Job
 
     def job(out: str) -> Job:
@@ -115,16 +115,16 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
     lines = []
     cluster(GPU_NODE)
     fresh, out = job("fresh"), OutputDir(Storage(str(tmp_path / "fresh")), "parquet")
-    record = _claim_output(out, fresh, overwrite=False)
-    assert _choose_devices(fresh, out, record, lines.append) and fresh.spec.workers.gpus == 1
+    record = claim(out, fresh, False, {})
+    assert choose_devices(fresh, out, record, lines.append) and fresh.spec.workers.gpus == 1
     assert out.read_json("_job.json")["numerics"] == {"device": "cuda", "dtype": "bfloat16"}
     again = job("fresh")  # its resume, on the same cluster: the claim leaves the check to the choice
-    assert _choose_devices(again, out, _claim_output(out, again, overwrite=False), lines.append)
+    assert choose_devices(again, out, claim(out, again, False, {}), lines.append)
 
     started, out = job("cpu"), OutputDir(Storage(str(tmp_path / "cpu")), "parquet")
-    record = _claim_output(out, started, overwrite=False)  # generated on CPU ...
+    record = claim(out, started, False, {})  # generated on CPU ...
     out.storage.fs.makedirs(out.storage.path("data"), exist_ok=True)  # ... with rows committed
-    assert not _choose_devices(started, out, record, lines.append) and started.spec.workers.gpus == 0
+    assert not choose_devices(started, out, record, lines.append) and started.spec.workers.gpus == 0
     assert "generated on CPU: its resume stays on CPU" in lines[-1]
 
     cluster(CPU_NODE)  # the GPU output resumed where no GPU is left: refused in one line
@@ -132,4 +132,4 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
         gone = job("fresh")
         out = OutputDir(Storage(str(tmp_path / "fresh")), "parquet")
         out.storage.fs.makedirs(out.storage.path("data"), exist_ok=True)
-        _choose_devices(gone, out, _claim_output(out, gone, overwrite=False), lines.append)
+        choose_devices(gone, out, claim(out, gone, False, {}), lines.append)

@@ -4,6 +4,11 @@ resumable, or refused in one line."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +16,7 @@ from click.testing import CliRunner
 from helpers import committed_ids, read_output, write_jsonl
 from jobs.cli import main
 from jobs.spec import load_spec
-from pipeline.io import index
+from pipeline.io import JobRecord, OutputDir, Storage, index
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -63,6 +68,35 @@ def test_an_earlier_layout_resumes_with_its_row_count_shards(tmp_path):
     assert sorted(committed_ids(out)) == sorted(f"in.jsonl:{i}" for i in range(10))
     assert len(list((out / "data").iterdir())) == 3 and "[3 shards, 2 committed earlier]" in text
 
+
+EARLIER = Path(__file__).resolve().parents[1] / "data" / "outputs"
+"""Output directories written by earlier versions of main, each with its input (relative paths)."""
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EARLIER.iterdir() if p.is_dir()))
+def test_an_output_an_earlier_main_left_half_done_resumes(name, tmp_path):
+    """tests/data/outputs/<date>: a job of 8 rows in shards of 2, run whole by main of that date,
+    then two shards' parts, their commit records, the manifest and _SUCCESS removed, as a crash
+    leaves it (its README says how). Today's rerun of the same command, in that folder (its paths
+    are relative, so in a process and a Ray of its own), reads its _job.json as a JobRecord,
+    computes only those two shards and completes with every id once."""
+    folder = tmp_path / name
+    shutil.copytree(EARLIER / name, folder)
+    for f in (folder / "output").rglob("*.json*"):  # the absolute output path it was written at
+        f.write_text(f.read_text().replace("{root}", str(folder)))
+    record = JobRecord.read(OutputDir(Storage(str(folder / "output")), "parquet"))
+    assert record is not None and record.fingerprint and record.shard_plan == "segments"
+    assert record.batchinfer_version is None  # EARLIER_SHAPES: before it was recorded
+    assert JobRecord.from_dict(record.to_dict()) == record
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "jobs.run", "--model", "builtin:echo", "--input", "input.jsonl",
+                           "--output", "output", "--set", "workers.rows_per_batch=2", "--set", "sampling.max_tokens=2"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    manifest = json.loads((folder / "output" / "manifest.json").read_text())
+    assert manifest["this_run"]["rows"] == 4 and manifest["rows"] == 8
+    assert sorted(committed_ids(folder / "output")) == sorted(f"input.jsonl:{i}" for i in range(8))
+    assert JobRecord.read(OutputDir(Storage(str(folder / "output")), "parquet")).fingerprint == record.fingerprint
 
 def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
@@ -134,13 +168,13 @@ def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes
 def test_an_output_planned_by_whole_files_resumes_so(tmp_path, monkeypatch):
     """An output started before segments ("shard_plan": "bytes") keeps whole-file shards on a
     resume, whatever the segment size now; a shard plan from a newer version is refused."""
-    from pipeline.run import driver, planner
+    from pipeline.run import claim, planner
 
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{i} " + "z" * 300} for i in range(20)])
     out = tmp_path / "out"
     args = ["--input", tmp_path / "in.jsonl", "--output", out, "--set", "model=builtin:echo",
             "--set", "workers.shard_bytes=2000", "--set", "sampling.max_tokens=1"]
-    monkeypatch.setattr(driver, "new_plan_record", lambda: {"shard_plan": "bytes"})
+    monkeypatch.setattr(claim, "new_plan_record", lambda: {"shard_plan": "bytes"})
     assert run(*args)[0] == 0
     parts = sorted((out / "data").iterdir())
     for name in ("manifest.json", "_SUCCESS"):

@@ -49,16 +49,17 @@ def test_tuning_settings_leave_the_fingerprint_and_outputs_that_counted_them_res
 def test_a_resume_keeps_the_shards_its_output_started_with():
     """workers.rows_per_batch and shard_bytes cut the shards, never a row: they leave the
     fingerprint, and the output's plan is the one the spec in its _job.json started it with."""
+    from pipeline.io import JobRecord
     from pipeline.run.planner import ShardPlan, new_plan_record, shard_plan
 
     started = validate({**BASE, "workers": {"rows_per_batch": 2, "shard_bytes": 4096}})
-    record = {**new_plan_record(), "spec": started.model_dump(mode="json")}
+    record = JobRecord(**new_plan_record(), spec=started.model_dump(mode="json"))
     now = validate({**BASE, "workers": {"rows_per_batch": 5, "shard_bytes": 8192}})
     assert now.fingerprint() == started.fingerprint() == validate({**BASE, "workers": {}}).fingerprint()
-    assert shard_plan(now, record) == ShardPlan(2, 4096, record["segment_bytes"])
-    assert shard_plan(now, new_plan_record()) == ShardPlan(5, 8192, record["segment_bytes"])  # (no spec recorded)
+    assert shard_plan(now, record) == ShardPlan(2, 4096, record.segment_bytes)
+    assert shard_plan(now, JobRecord(**new_plan_record())) == ShardPlan(5, 8192, record.segment_bytes)  # (no spec recorded)
     # an output of 0.1 (rows only, no shard_plan) whose spec recorded 0.1's default of 256 rows
-    assert shard_plan(validate({**BASE, "workers": {}}), {"spec": {"workers": {"rows_per_batch": 256}}}) == \
+    assert shard_plan(validate({**BASE, "workers": {}}), JobRecord(spec={"workers": {"rows_per_batch": 256}})) == \
         ShardPlan(256, None)
     # outputs whose fingerprint counted them: the same settings resume, others only through their spec
     counted = fingerprint(started, planned=False)

@@ -31,7 +31,7 @@ def test_an_output_resumes_only_in_the_numerics_it_was_generated_in(tmp_path):
 
     from pipeline.errors import OutputConflict
     from pipeline.io import OutputDir, Storage
-    from pipeline.run.driver import _claim_output
+    from pipeline.run.claim import claim
 
     def job(**workers):
         return Job.of(validate({"input": {"path": "-"}, "output": {"path": str(tmp_path / "out")},
@@ -42,17 +42,17 @@ def test_an_output_resumes_only_in_the_numerics_it_was_generated_in(tmp_path):
     assert cpu.spec.numerics() == {"device": "cpu", "dtype": "float32"}
     assert gpu.spec.numerics() == {"device": "cuda", "dtype": "bfloat16"}
     out = OutputDir(Storage(str(tmp_path / "out")), "parquet")
-    assert _claim_output(out, cpu, overwrite=False)["numerics"] == cpu.spec.numerics()
-    assert _claim_output(out, job(gpus=0), overwrite=False)  # the same numerics resume
+    assert claim(out, cpu, False, {}).numerics == cpu.spec.numerics()
+    assert claim(out, job(gpus=0), False, {})  # the same numerics resume
     with pytest.raises(OutputConflict) as err:
-        _claim_output(out, gpu, overwrite=False)
+        claim(out, gpu, False, {})
     message = str(err.value)
     assert "float32 on cpu" in message and "bfloat16 on cuda" in message and "workers.gpus 0" in message
     assert "\n" not in message
     out.mark_success()  # a complete output is not resumed: the rerun has nothing to do, whatever it would compute in
-    assert _claim_output(out, gpu, overwrite=False)
+    assert claim(out, gpu, False, {})
     out.storage.fs.rm(out.storage.path("_SUCCESS"))
     record = out.read_json("_job.json")
     del record["numerics"]  # as written before outputs recorded them
     out.write_json("_job.json", record)
-    assert _claim_output(out, gpu, overwrite=False)
+    assert claim(out, gpu, False, {})

@@ -1,0 +1,117 @@
+"""Whether an output accepts a job, and the JobRecord it keeps: one place for what a rerun checks
+against `_job.json` (the spec's fingerprint, the numerics it computes in, its adapters) and for
+how the records of earlier versions are read (pipeline.io.records.EARLIER_SHAPES)."""
+from __future__ import annotations
+
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+from engine.api import one_line
+from pipeline.errors import JobError, OutputConflict
+from pipeline.io import JobRecord, OutputDir, redact_spec
+from pipeline.run.adapters import adapters_conflict
+from pipeline.run.devices import picks_devices, resolve_devices
+from pipeline.run.planner import new_plan_record
+from pipeline.spec import Job, resumes
+
+
+def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str]) -> JobRecord:
+    """The output's record for `job`: a fresh output's, saved now, or the existing one when it
+    accepts the job (OutputConflict naming why not), brought up to date: a fingerprint that only
+    differs in what stopped counting is re-recorded, adapters are recorded (an added one reopens a
+    complete output: its rows are still to compute)."""
+    try:
+        if overwrite:
+            out.clear()
+        record = JobRecord.read(out)
+        if record is None:
+            record = _start(job)
+            record.save(out)
+    except (OSError, PermissionError, ValueError) as exc:
+        raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
+    refused = refusal(record, job, out, adapters)
+    if refused:
+        raise OutputConflict(refused)
+    if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
+        # accepted through the spec it recorded: an earlier version counted a setting never found to change a row
+        record.fingerprint = job.fingerprint
+        record.save(out)
+    if adapters and record.adapters != adapters:
+        if record.adapters is not None:
+            out.reopen()
+        record.adapters = adapters
+        record.save(out)
+    return record
+
+
+def refusal(record: JobRecord, job: Job, out: OutputDir, adapters: dict[str, str]) -> str | None:
+    """Why the output of `record` cannot take `job` (None: it can): another spec, other numerics
+    (where the spec fixes them: where batchinfer picks the devices, choose_devices checks once it
+    has the cluster; a complete output is not checked), or adapters changed or dropped."""
+    if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()} and not resumes(job.spec, record.spec):
+        return _conflict(job, record)
+    numerics = job.spec.numerics()
+    if record.numerics is not None and record.numerics != numerics and not out.is_complete() \
+            and not picks_devices(job.spec):
+        return _numerics_conflict(job, record.numerics, numerics)
+    return adapters_conflict(job.spec.output.path, record.adapters, adapters)
+
+
+def choose_devices(job: Job, out: OutputDir, record: JobRecord, progress) -> bool:
+    """engine.device auto with workers.gpus unset: GPUs where the cluster has them (one per rank).
+    A fresh output records the numerics chosen; a resumed one generated on CPU stays on CPU.
+    Returns whether batchinfer chose GPUs."""
+    resumed = out.storage.exists(out.storage.path("data"))
+    was = record.numerics
+    if was is None and resumed:  # EARLIER_SHAPES "no numerics": on CPU unless its spec asked for GPUs
+        recorded = (record.spec or {}).get("workers") or {}
+        was = {"device": "cuda" if recorded.get("gpus") else "cpu"}
+    was = was or {}
+    choice = resolve_devices(job.spec, keep_cpu=resumed and was.get("device") == "cpu")
+    progress(choice.line)
+    numerics = job.spec.numerics()
+    if choice.resolved and record.numerics != numerics:
+        if resumed and record.numerics is not None:
+            raise OutputConflict(_numerics_conflict(job, record.numerics, numerics))
+        record.numerics = numerics
+        record.save(out)
+    return choice.resolved and choice.gpus > 0
+
+
+def _start(job: Job) -> JobRecord:
+    spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
+    return JobRecord(fingerprint=job.fingerprint, created=time.time(), **new_plan_record(),
+                     numerics=job.spec.numerics(), spec=redact_spec(spec), batchinfer_version=_version())
+
+
+def _version() -> str | None:
+    try:
+        return version("batchinfer")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return None
+
+
+def _conflict(job: Job, record: JobRecord) -> str:
+    where = job.spec.output.path
+    if record.shard_plan is None and job.spec.workers.rows_per_batch is None:
+        # EARLIER_SHAPES "no shard_plan": shards held rows_per_batch rows (default 256)
+        return (f"{where} was started by an earlier batchinfer that cut shards every workers.rows_per_batch rows "
+                f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
+    recorded_model = (record.spec or {}).get("model")
+    if recorded_model == "builtin:tiny" and "model" not in job.spec.model_fields_set and recorded_model != job.spec.model:
+        # builtin:tiny was the default model before builtin:smollm2-135m-instruct
+        return (f"{where} was generated by builtin:tiny, the default model of earlier versions (now "
+                f"{job.spec.model}): add `model: builtin:tiny` to the spec to resume it, or use --overwrite")
+    return (f"{where} holds the output of a different job spec (fingerprint {record.fingerprint} != "
+            f"{job.fingerprint}); use --overwrite to replace it")
+
+
+def _numerics_conflict(job: Job, was: dict, now: dict) -> str:
+    def say(n: dict) -> str:
+        return f"{n['dtype']} on {n['device']}"
+
+    how = ("workers.gpus 0" if was["device"] == "cpu" else "workers.gpus > 0") if job.spec.engine.device == "auto" \
+        else f"engine.device {was['device']}"
+    return (f"{job.spec.output.path} was generated in {say(was)}, and this run would compute in {say(now)} "
+            f"(engine.device {job.spec.engine.device}, engine.dtype {job.spec.engine.dtype}, workers.gpus "
+            f"{job.spec.workers.gpus:g}), which gives other rows: resume it with {how}, or use --overwrite to start afresh")

@@ -250,6 +250,8 @@ class JobRecord:
     """True once input.id_column's values were checked unique: resumes skip the check."""
     batchinfer_version: str | None = None
     """The batchinfer that started the output."""
+    shards_planned: int | None = None
+    """Layout 1 only (no plan_blocks): the shards its driver planned."""
     unknown: dict = field(default_factory=dict)
     """Keys of a newer batchinfer's record, kept as read."""
 
@@ -283,6 +285,7 @@ EARLIER_SHAPES = (
                     "(pipeline.run.claim.choose_devices); a complete one is not checked"),
     ("no adapters", "no LoRA, or before adapter digests were kept: the next run with adapters records them"),
     ("no ids_unique", "the unique-id check runs once more, then is recorded"),
+    ("no plan_blocks", "layout 1, planned in the driver: its shards_planned says how many shards the input has"),
     ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
 )
 """How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""

@@ -119,9 +119,9 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
             "shards_planned": planned_shards(out, job), **data}
 
 
-def planned_shards(out: OutputDir, job: dict) -> int | None:
+def planned_shards(out: OutputDir, job: JobRecord) -> int | None:
     """Shards of the whole input, once every planning task has recorded its count (else None)."""
-    if job.get("plan_blocks") is None:
-        return job.get("shards_planned")  # layout 1 planned in the driver
-    plan = out.plan_summary(job.get("plan_blocks"))
+    if job.plan_blocks is None:
+        return job.shards_planned  # EARLIER_SHAPES "no plan_blocks": layout 1 planned in the driver
+    plan = out.plan_summary(job.plan_blocks)
     return plan["shards"] if plan else None

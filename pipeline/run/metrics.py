@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,7 +23,20 @@ from pipeline.tasks import group_key
 
 if TYPE_CHECKING:
     from pipeline.io import OutputDir
-    from pipeline.run.sample_metrics import SampleMetrics
+
+
+class SampleMetrics(Protocol):
+    """With n > 1 samples per input row, their pass@k and maj@n accumulator
+    (pipeline.run.sample_metrics.SampleMetrics; named here, not imported: that module builds on this one)."""
+
+    n: int
+
+    def add(self, table: pa.Table) -> None: ...
+
+    def merge(self, other: SampleMetrics) -> None: ...
+
+    def result(self) -> dict: ...
+
 
 WILSON_Z = 1.959963984540054
 """The standard normal quantile for a two-sided 95% interval."""

@@ -1,8 +1,6 @@
-"""The engine's packages and the one direction of their imports, read from the code (ast):
-
-    api <- core <- {models, quantization, distributed} <- runner <- {sample, structured} <- the top (llm_engine, ...)
-
-(each may import only the packages its row in MAY_IMPORT names). api and core never import torch,
+"""The engine's packages and the one direction of their imports, read from the code (ast): each
+may import only the packages its row in MAY_IMPORT names (docs/architecture.md states them once,
+from this table), and nothing below the top takes the engine itself. api and core never import torch,
 transformers or a package that does; only runner, distributed and quantization import CUDA, Triton
 or torch's extension builder. Outside engine/, the product and its scripts import the engine
 through package faces alone. Every engine exception is declared in engine/api/errors.py and

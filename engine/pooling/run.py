@@ -21,7 +21,8 @@ from engine.pooling.pooler import PostPooling, finish_embeddings, head_activatio
 
 class Pooler:
     """The pooling side of one LLMEngine: an encoder runner of its own, or passes over the engine's
-    paged decoder. It holds the pieces it uses, never the engine."""
+    paged decoder. It holds the pieces it uses, never the engine; the engine checks that a call's
+    task is the model's and that no generation is running before it calls in."""
 
     def __init__(self, info: PoolingInfo, batch_stats: list[BatchStats], max_model_len: int,
                  max_num_batched_tokens: int, *, encoder=None, paged: PagedPass | None = None):
@@ -43,7 +44,6 @@ class Pooler:
     # -- the three tasks -----------------------------------------------------------------------
 
     def embed(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None) -> list[EmbeddingOutput]:
-        self._check("embed")
         prompts, params = per_prompt(prompts, params, PoolingParams)
         rows, errors = self._rows(prompts, params)
         for i, p in enumerate(params):
@@ -64,7 +64,6 @@ class Pooler:
 
     def classify(self, prompts: Seq[Prompt], params: PoolingParams | Seq[PoolingParams] | None
                  ) -> list[ClassificationOutput]:
-        self._check("classify")
         prompts, params = per_prompt(prompts, params, PoolingParams)
         rows, errors = self._rows(prompts, params)
         logits = self._logits(rows, errors)
@@ -80,7 +79,6 @@ class Pooler:
 
     def score(self, text_1: Prompt | Seq[Prompt], text_2: Prompt | Seq[Prompt],
               params: PoolingParams | None) -> list[ScoringOutput]:
-        self._check("score")
         firsts, seconds = score_pairs(text_1, text_2)
         params = params or PoolingParams()
         if not self.info.classifier:  # an embedding model: the cosine of the two embeddings
@@ -107,9 +105,6 @@ class Pooler:
                 else logits[i]
             out.append(ScoringOutput(float(value[0]), len(row)))
         return out
-
-    def _check(self, task: str) -> None:
-        self.info.check(task)
 
     # -- rows ------------------------------------------------------------------------------------
 

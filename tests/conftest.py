@@ -18,6 +18,27 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/K",
+                     help="run only the I-th of K shares of the selected tests (0 <= I < K), dealt out in "
+                          "collection order, so the cases of one parametrized test land in different shares")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the share is of what is left
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    try:
+        i, k = (int(v) for v in shard.split("/"))
+        assert 0 <= i < k
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard {shard!r}: expected I/K with 0 <= I < K") from None
+    kept = [item for n, item in enumerate(items) if n % k == i]
+    config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % k != i])
+    items[:] = kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Builtin models go to a per-session cache, and the Hugging Face cache is a per-session

@@ -7,6 +7,8 @@ committing and bookkeeping, not a model.
     .venv/bin/python scripts/bench_scale.py --rows 100000 --s3                      # moto S3, requests counted
     .venv/bin/python scripts/bench_scale.py --rows 100000 --layout large --model builtin:tiny --bare
     .venv/bin/python scripts/bench_scale.py --rows 20000 --layout files --files 1000   # 1,000 files of 20 rows
+    .venv/bin/python scripts/bench_scale.py --rows 20000 --layout files --files 1000 --id-column   # with and without
+    .venv/bin/python scripts/bench_scale.py --id-check-rows 10000000   # the unique-id check alone, 10^7 ids
 
 Each case writes its input (`files`: --files files of equal size; `large`: one file), runs the
 job as a subprocess, and reports: wall time; the driver's peak RSS (VmHWM of the driver process,
@@ -16,6 +18,11 @@ rows over that stage's summed task time); per-shard fixed cost; manifest and ind
 --s3, object-store requests per 1,000 rows by HTTP method, counted at a proxy in front of moto.
 --bare also times the engine alone (LLMEngine.generate in-process) on the same prompts: with one
 greedy SamplingParams, and with what a job sends (temperature 1.0, a seed per row).
+--id-column runs each case twice, side by side: without input.id_column, then with it (the
+unique-id check beside the work), and gives the ratio of their first-part times.
+--id-check-rows N times the unique-id check alone (pipeline.run.unique_ids.find_duplicate) on a
+local Ray over N ids in 100 Parquet files: its wall time, the driver's peak RSS growth, and the
+peak RSS of the Ray worker processes (polled; imports included).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 def make_input(root: Path, rows: int, layout: str, files: int) -> Path:
     """JSONL of short prompts: `files` files of rows/files lines, or one file of `rows` lines."""
-    folder = root / f"in-{layout}-{rows}"
+    folder = root / f"in-{layout}-{rows}-ids"
     if folder.exists():
         return folder
     folder.mkdir(parents=True)
@@ -45,7 +52,7 @@ def make_input(root: Path, rows: int, layout: str, files: int) -> Path:
         lines = range(f * per, min((f + 1) * per, rows))
         with open(folder / f"{f:06d}.jsonl", "w") as out:
             for start in range(lines.start, lines.stop, 100_000):
-                out.write("".join(f'{{"prompt": "short prompt {i} of the scale test"}}\n'
+                out.write("".join(f'{{"id": "row-{i}", "prompt": "short prompt {i} of the scale test"}}\n'
                                   for i in range(start, min(start + 100_000, lines.stop))))
     return folder
 
@@ -158,7 +165,7 @@ class S3:
         self._server.__exit__(*exc)
 
 
-def case(args, rows: int, layout: str, work: Path, s3: S3 | None) -> dict:
+def case(args, rows: int, layout: str, work: Path, s3: S3 | None, extra_args: tuple = ()) -> dict:
     folder = make_input(work, rows, layout, args.files)
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     name = f"{layout}-{rows}-{int(time.time())}"
@@ -169,8 +176,9 @@ def case(args, rows: int, layout: str, work: Path, s3: S3 | None) -> dict:
         extra = ["--set", f"input.storage_options={{endpoint_url: '{s3.proxy.url}'}}",
                  "--set", f"output.storage_options={{endpoint_url: '{s3.proxy.url}'}}"]
         env.pop("AWS_ENDPOINT_URL", None)
-    job = run_job(inp, out, args, extra, env)
-    result = {"case": f"{layout} x{args.files if layout == 'files' else 1}", "input_rows": rows,
+    job = run_job(inp, out, args, extra + list(extra_args), env)
+    result = {"case": f"{layout} x{args.files if layout == 'files' else 1}{' ' + ' '.join(extra_args[1::2])}",
+              "input_rows": rows,
               "storage": "s3" if s3 else "local", "model": args.model, **job}
     if job["exit"] == 0:
         result.update(measure(out, options, job))
@@ -179,6 +187,51 @@ def case(args, rows: int, layout: str, work: Path, s3: S3 | None) -> dict:
     if args.bare:
         result.update(bare_engine(folder, args.model, rows))
     return result
+
+
+def id_check(rows: int, work: Path) -> dict:
+    """The unique-id check alone over `rows` ids in 100 Parquet files, on a local Ray."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from pipeline.io import Storage, list_inputs
+    from pipeline.run.planner import ShardPlan
+    from pipeline.run.unique_ids import find_duplicate
+    from pipeline.spec import validate
+
+    folder = work / f"ids-{rows}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        per = -(-rows // 100)
+        for f in range(100):
+            ids = [f"user-{i:012d}" for i in range(f * per, min(rows, (f + 1) * per))]
+            pq.write_table(pa.table({"id": ids, "prompt": ["p"] * len(ids)}), folder / f"{f:03d}.parquet")
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    spec = validate({"input": {"path": str(folder), "id_column": "id"}, "output": {"path": str(work / "unused")}})
+    files = list_inputs(Storage(str(folder)), "auto")
+    workers: dict[int, int] = {}
+    done = threading.Event()
+
+    def poll():
+        import psutil
+
+        while not done.is_set():
+            for proc in psutil.process_iter(["pid", "cmdline"]):
+                command = " ".join(proc.info["cmdline"] or [])
+                if "default_worker.py" in command or command.startswith("ray::"):  # a worker names itself by its task
+                    workers[proc.pid] = max(workers.get(proc.pid, 0), _peak_rss_kb(proc.pid))
+            time.sleep(0.2)
+
+    threading.Thread(target=poll, daemon=True).start()
+    before = _peak_rss_kb(os.getpid())
+    started = time.time()
+    found = find_duplicate(spec, files, ShardPlan(None, 1 << 20))
+    wall = time.time() - started
+    done.set()
+    return {"case": "unique-id check alone", "ids": rows, "files": 100, "wall_s": wall, "duplicate": found,
+            "ids_per_s": rows / wall, "driver_peak_rss_growth_mb": (_peak_rss_kb(os.getpid()) - before) / 1024,
+            "worker_peak_rss_mb": max(workers.values(), default=0) / 1024}
 
 
 def main() -> None:
@@ -191,17 +244,28 @@ def main() -> None:
     ap.add_argument("--shard-bytes", type=int, default=None)
     ap.add_argument("--s3", action="store_true", help="input and output on moto S3, requests counted")
     ap.add_argument("--bare", action="store_true", help="also time the engine alone on the same prompts")
+    ap.add_argument("--id-column", action="store_true", help="each case without, then with input.id_column")
+    ap.add_argument("--id-check-rows", type=int, help="time the unique-id check alone over this many ids")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_scale")
     ap.add_argument("--json", type=Path, help="append the results to this JSON file")
     args = ap.parse_args()
     layouts = ["files", "large"] if args.layout == "both" else [args.layout]
     results = []
+    if args.id_check_rows:
+        results.append(id_check(args.id_check_rows, args.workdir))
+        print(json.dumps(results[-1], default=str), flush=True)
     s3 = S3().__enter__() if args.s3 else None
     try:
-        for rows in args.rows or [100_000]:
+        for rows in (args.rows or [100_000]) if not args.id_check_rows or args.rows else []:
             for layout in layouts:
                 results.append(case(args, rows, layout, args.workdir, s3))
                 print(json.dumps(results[-1], default=str), flush=True)
+                if args.id_column:
+                    results.append(case(args, rows, layout, args.workdir, s3, ("--set", "input.id_column=id")))
+                    results[-1]["first_part_vs_without_id_column"] = (
+                        results[-1].get("first_part_s", 0) / results[-2]["first_part_s"]
+                        if results[-2].get("first_part_s") else None)
+                    print(json.dumps(results[-1], default=str), flush=True)
     finally:
         if s3 is not None:
             s3.__exit__(None, None, None)

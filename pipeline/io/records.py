@@ -248,6 +248,9 @@ class JobRecord:
     """Planning tasks of the latest run (each writes a record under _plan/)."""
     ids_unique: bool | None = None
     """True once input.id_column's values were checked unique: resumes skip the check."""
+    ids_duplicate: dict | None = None
+    """The duplicate id the check found (pipeline.run.unique_ids.Duplicate.to_json: the id, its
+    two places, the error line): a rerun refuses in that line while both places still hold it."""
     batchinfer_version: str | None = None
     """The batchinfer that started the output."""
     shards_planned: int | None = None
@@ -285,6 +288,7 @@ EARLIER_SHAPES = (
                     "(pipeline.run.claim.choose_devices); a complete one is not checked"),
     ("no adapters", "no LoRA, or before adapter digests were kept: the next run with adapters records them"),
     ("no ids_unique", "the unique-id check runs once more, then is recorded"),
+    ("no ids_duplicate", "no duplicate id was found, or the check ran before the job: it then ran before any shard"),
     ("no plan_blocks", "layout 1, planned in the driver: its shards_planned says how many shards the input has"),
     ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
 )

@@ -27,16 +27,38 @@ log = logging.getLogger(__name__)
 EXECUTOR_JOIN_S = 10.0  # a failed execution's loop ends within seconds of its shutdown
 
 
+class StopSignal:
+    """A job-wide stop the driver raises and the engine actors ask for before each shard: one
+    small Ray actor that needs no CPU, made for a job that may be stopped (the unique-id check)."""
+
+    def __init__(self):
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def get(self) -> str | None:
+        return self.reason
+
+
 def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord, index: IndexWriter,
-            progress) -> PartTotals:
+            progress, stop=None) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
-    `index` and to the returned totals; the counts of shards committed now are added to `run`."""
+    `index` and to the returned totals; the counts of shards committed now are added to `run`.
+    `stop`: what may stop the job while it runs (a pipeline.run.unique_ids.IdCheck): its failure
+    ends the run, the engine actors starting no shard after it."""
+    import ray
+
     quiet_ray_data()
+    signal = None
+    if stop is not None:
+        signal = ray.remote(num_cpus=0)(StopSignal).remote()
+        stop.on_failure(lambda exc: signal.set.remote(str(exc)))
     # Each planning task hands its shards on as one block, and a block goes to one actor: an actor
     # beyond the number of planning tasks would load its model and never get a shard.
     run.workers = min(job.spec.workers.num, plan_blocks(files, plan.segment_bytes))
     ds = planned_dataset(job.spec, files, resume, plan).map_batches(
-        ShardWorker, fn_constructor_kwargs={"job": job}, batch_size=1, batch_format="numpy",
+        ShardWorker, fn_constructor_kwargs={"job": job, "stop": signal}, batch_size=1, batch_format="numpy",
         **engine_stage_args(job.spec.workers, actors=run.workers, env=chaos.forwarded_env()))
     totals, earlier = PartTotals(), 0
     progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
@@ -52,6 +74,8 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
                 earlier += 1
             progress.shard_done(run, record.rows if row["new"] else 0, earlier, nbytes=record.bytes,
                                 new=bool(row["new"]))
+            if stop is not None and stop.failure() is not None:
+                raise stop.failure()
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         failure = exc
     finally:

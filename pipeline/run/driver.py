@@ -29,7 +29,7 @@ from pipeline.run.progress import as_progress
 from pipeline.run.ray_env import ensure_ray
 from pipeline.run.report import PartTotals
 from pipeline.run.resources import check_resources
-from pipeline.run.unique_ids import check_unique_ids
+from pipeline.run.unique_ids import IdCheck, still_duplicated
 from pipeline.spec import Job
 
 log = logging.getLogger("batchinfer")
@@ -100,8 +100,9 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
     chaos.point("listed")
     resume = out.storage.exists(out.storage.path("data"))
     plan = _plan(job, out, record, files, resume, progress)
-    _check_ids(job, out, record, files, plan, progress)
-    index, totals = _generate(job, out, record, files, resume, plan, run, progress)
+    ids = _start_id_check(job, out, record, files, plan, progress)
+    index, totals = _generate(job, out, record, files, resume, plan, run, progress, ids)
+    _id_check_passed(ids, out, record, run, progress)
     _check_every_shard_committed(out, record, run, totals)
     chaos.point("generated")
     return _complete(job, out, record, run, index, totals)
@@ -145,17 +146,54 @@ def _plan(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, prog
     return plan
 
 
-def _check_ids(job: Job, out: OutputDir, record: JobRecord, files, plan: ShardPlan, progress) -> None:
-    """input.id_column's values unique, checked once per output."""
-    if job.spec.input.id_column and not record.ids_unique:
-        progress("checking that id_column values are unique")
-        check_unique_ids(job.spec, files, plan)
-        record.ids_unique = True
+def _start_id_check(job: Job, out: OutputDir, record: JobRecord, files, plan: ShardPlan, progress) -> IdCheck | None:
+    """input.id_column's values checked unique, once per output, beside the work (Ray tasks
+    started now); a duplicate an earlier run found, still in the input, refuses the run at once."""
+    inp = job.spec.input
+    if not inp.id_column or record.ids_unique:
+        return None
+    if inp.unique_ids == "trust":
+        progress("input.unique_ids is trust: ids are not checked for duplicates (a duplicate gives two rows for one id)")
+        return None
+    if record.ids_duplicate is not None:
+        found = still_duplicated(job.spec, files, plan, record.ids_duplicate)
+        if found is not None:
+            raise JobError(f"{found.line()}; fix the input and rerun")
+        record.ids_duplicate = None  # the input changed there: checked again, beside the work
         record.save(out)
+    progress("checking that id_column values are unique, beside the work")
+    return IdCheck(job.spec, files, plan)
+
+
+def _id_check_passed(ids: IdCheck | None, out: OutputDir, record: JobRecord, run: RunRecord, progress) -> None:
+    """The shards are done: the output is complete only once the id check passed."""
+    if ids is None:
+        return
+    if not ids.done():
+        progress("the shards are done; waiting for the unique-id check")
+    try:
+        ids.wait()
+    except JobError as exc:
+        run.end("failed")
+        out.write_run(run)
+        _stopped_by_duplicate(ids, out, record, exc)
+    record.ids_unique = True
+    record.save(out)
+
+
+def _stopped_by_duplicate(ids: IdCheck, out: OutputDir, record: JobRecord, exc: BaseException):
+    """Raises the job's error once the id check found a duplicate: recorded (a rerun refuses in the
+    same line while the input holds it), with the parts committed so far, which are kept."""
+    if ids.duplicate is None:
+        raise exc
+    record.ids_duplicate = ids.duplicate.to_json()
+    record.save(out)
+    raise JobError(f"{ids.duplicate.line()}; the job stopped: the {len(out.done_keys())} parts committed before are "
+                   f"kept (batchinfer report {out.storage.uri(out.storage.root)})") from None
 
 
 def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, plan: ShardPlan, run: RunRecord,
-              progress) -> tuple[IndexWriter, PartTotals]:
+              progress, ids: IdCheck | None) -> tuple[IndexWriter, PartTotals]:
     """Every shard not committed yet, through the Ray Data pipeline, the run's record kept current:
     the part index written, and the totals over every committed part."""
     index = IndexWriter(out, run.run_id)
@@ -163,10 +201,15 @@ def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, 
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
         created = int(record.created or time.time())
-        totals = execute(replace(job, created=created), files, resume, plan, run, index, progress)
-    except BaseException:
+        totals = execute(replace(job, created=created), files, resume, plan, run, index, progress,
+                         stop=ids)
+    except BaseException as exc:
         run.end("failed")  # its generation time up to the failure counts in the job's usage
         out.write_run(run)
+        if ids is not None:
+            ids.cancel()
+            if ids.failure() is not None:
+                _stopped_by_duplicate(ids, out, record, exc)
         raise
     return index, totals
 

@@ -66,9 +66,10 @@ class ShardWorker(EngineActor):
     """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
     engine on its rows, and commits one output part per shard. Returns one summary per shard."""
 
-    def _setup(self, job: Job) -> None:
+    def _setup(self, job: Job, stop=None) -> None:
         chaos.point("init")
         self.job = job
+        self.stop = stop  # a StopSignal actor (pipeline.run.dataflow), asked before each shard
         self.spec = spec = job.spec
         self.input = Storage(spec.input.path, spec.input.storage_options)
         self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
@@ -86,6 +87,12 @@ class ShardWorker(EngineActor):
     def _shards(self, batch: dict) -> dict:
         records, new = [], []
         for shard, done in zip(Shard.from_batch(batch), batch["committed"]):
+            if self.stop is not None and not done:
+                import ray
+
+                reason = ray.get(self.stop.get.remote())
+                if reason is not None:  # the driver stopped the job (a duplicate id): no more shards
+                    raise FatalShardError(reason)
             records.append(str(done) if done else self.process(shard).to_json())
             new.append(not done)
         return {"record": records, "new": new}

@@ -58,7 +58,7 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned:
         raise SpecError(f"{'.'.join(unread[0][0])}: the schema file {unread[0][1]} must be read before the "
                         "job's fingerprint is taken (pipeline.io.read_schema_files)")
     data = spec.model_dump(mode="json", exclude={"output": {"path", "storage_options", "lock_stale_after_s"},
-                                                 "input": {"storage_options"},
+                                                 "input": {"storage_options", "unique_ids"},
                                                  "workers": {"num", "gpus", "cpus", "resource_wait_s"},
                                                  "report": True, "max_error_rate": True})
     # Pure execution knobs never change output rows: they never count. Quantized, each rank

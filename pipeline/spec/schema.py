@@ -92,6 +92,10 @@ class InputSpec(_Section):
         default_factory=list, description="Example user/assistant turns put before every row (chat template).")
     id_column: str | None = Field(
         None, description="Column with unique row ids; else an id is derived from file + row position.")
+    unique_ids: Literal["check", "trust"] = Field(
+        "check", description="check = id_column's values are checked unique across the input, beside the work "
+        "(the output is complete only once the check passed; a duplicate stops the job naming both places); "
+        "trust = not checked (ids from a primary key): a duplicate id then gives two rows for one id.")
     sampling_column: str | None = Field(
         None, description="Column holding a mapping of sampling fields per row (Ray Data LLM's sampling_params), "
         "over the sampling section for that row; a bad one is that row's error.")

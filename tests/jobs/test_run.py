@@ -68,8 +68,17 @@ workers: {{rows_per_batch: 7}}
 """)
     code, text = run(spec)
     assert code == 0, text
+    assert text.count("checking that id_column values are unique, beside the work") == 1, text
+    assert json.loads((tmp_path / "out" / "_job.json").read_text())["ids_unique"] is True
     table = read_output(tmp_path / "out")
     assert sorted(table["id"].to_pylist()) == sorted(f"q{f}-{i}" for f in range(2) for i in range(12))
+    # a resume of an output whose ids were checked does not check them again
+    for name in ("_SUCCESS", "manifest.json"):
+        (tmp_path / "out" / name).unlink()
+    sorted((tmp_path / "out" / "data").glob("part-*"))[0].unlink()
+    code, resumed = run(spec)
+    assert code == 0 and "checking that id_column" not in resumed, resumed
+    assert sorted(read_output(tmp_path / "out")["id"].to_pylist()) == sorted(table["id"].to_pylist())
     assert "question" not in table.column_names and "answer" in table.column_names
     for row in table.to_pylist():  # builtin:tiny's byte tokenizer: BOS + one token per byte of the rendered template
         question = f"what is {row['id'].split('-')[1]}?"
@@ -136,12 +145,29 @@ def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
     assert json.loads((tmp_path / "out" / "_job.json").read_text())["spec"]["sampling"]["max_tokens"] == 5
 
 
-def test_duplicate_ids_are_fatal_and_named(tmp_path):
-    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
-                                        {"id": "a", "prompt": "z"}])
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out",
-                     "--set", "input.id_column=id", "--set", "sampling.max_tokens=2")
-    assert code == 1 and "duplicate id 'a'" in text, text
+def test_a_duplicate_id_stops_the_job_naming_both_places_and_a_rerun_refuses_until_trusted(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": f"r{i}", "prompt": f"x{i}"} for i in range(60)])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": f"s{i}", "prompt": f"y{i}"} for i in range(3)]
+                + [{"id": "r1", "prompt": "again"}])
+    out = tmp_path / "out"
+    args = ["--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "input.id_column=id",
+            "--set", "sampling.max_tokens=2", "--set", "workers.rows_per_batch=2"]
+    code, text = run(*args)
+    line = "duplicate id 'r1' in column 'id': a.jsonl row 1 and b.jsonl row 3 (ids must be unique)"
+    assert code == 1 and f"{line}; the job stopped: the " in text, text
+    assert not (out / "_SUCCESS").exists() and not (out / "manifest.json").exists()
+    kept = int(re.search(r"the (\d+) parts committed before are kept", text).group(1))
+    # found while the engine loads, the duplicate stops the job after a few of its 32 shards
+    assert kept == len(list((out / "data").glob("part-*"))) < 32
+    assert json.loads((out / "_job.json").read_text())["ids_duplicate"]["line"] == line
+    code, again = run(*args)  # the same input: refused in the same line, before any shard
+    assert code == 1 and f"{line}; fix the input and rerun" in again and "rows" not in again, again
+    assert len(list((out / "data").glob("part-*"))) == kept
+    code, trusted = run(*args, "--set", "input.unique_ids=trust")  # vouched for: not checked, not fingerprinted
+    assert code == 0, trusted
+    assert trusted.count("input.unique_ids is trust: ids are not checked") == 1, trusted
+    ids = read_output(out)["id"].to_pylist()
+    assert len(ids) == 64 and ids.count("r1") == 2  # what trusting a duplicate costs: two rows for one id
 
 
 def test_s3_input_to_s3_output(tmp_path, s3_server):

@@ -16,7 +16,8 @@ from helpers import write_jsonl
 from jobs.terminal import QuietTerminal, terminal
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = [r"\d+ input files, planned by \d+ Ray tasks.*", r"checking that id_column values are unique", r"devices: .*",
+OURS = [r"\d+ input files, planned by \d+ Ray tasks.*", r"checking that id_column values are unique, beside the work",
+        r"the shards are done; waiting for the unique-id check", r"devices: .*",
         r"\[\d+(/\d+)? shards.*\] \d+ rows, \d+ errors, \d+ tokens, .*",
         r"(output|rows|errors|prompt tokens|prefix cache hits|generated tokens|wall time|tokens/s)  +.*"]
 """Every line a plain `batchinfer run` may print when it succeeds."""

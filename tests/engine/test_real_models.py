@@ -33,6 +33,19 @@ PARAPHRASES = [
     ("Python is a popular programming language for data science.", "Many data scientists write their code in Python."),
     ("The museum opens at nine and closes at five.", "Visiting hours for the gallery are from 9 am to 5 pm."),
     ("She learned to play the piano as a child.", "As a young girl she took piano lessons."),
+    ("The train to London was delayed by an hour because of a signal failure.",
+     "A signalling fault made the London train sixty minutes late."),
+    ("He forgot his umbrella and got soaked on the way home.",
+     "Without an umbrella, he was drenched walking back to his house."),
+    ("Regular exercise lowers the risk of heart disease.", "Working out often keeps your heart healthier."),
+    ("The plumber fixed the burst pipe under the sink.", "A broken water pipe beneath the sink was repaired."),
+    ("She booked a table for two at the Italian restaurant.", "He reserved dinner for two people at an Italian place."),
+    ("The volcano erupted, covering the village in ash.", "Ash from the eruption buried the nearby town."),
+    ("Tomatoes grow best in full sun and well-drained soil.",
+     "Plant tomato seedlings in a sunny spot with soil that drains well."),
+    ("The detective finally solved the mysterious murder case.", "The investigator cracked the puzzling homicide at last."),
+    ("Electric cars are becoming cheaper to buy.", "The price of battery-powered vehicles keeps falling."),
+    ("The baby would not stop crying during the night.", "The infant cried for hours after bedtime."),
 ]
 
 
@@ -121,7 +134,9 @@ def test_minilm_embeddings_equal_sentence_transformers_and_rank_paraphrases():
 
     sentences = [s for pair in PARAPHRASES for s in pair]
     reviews = [json.loads(line)["review"] for line in (DATA / "sentiment.jsonl").read_text().splitlines()]
-    every = sentences + reviews + [r["prompt"] for r in REFERENCES["rows"]]  # 116 real sentences
+    others = (DATA / "sentences.txt").read_text().splitlines()
+    every = sentences + reviews + [r["prompt"] for r in REFERENCES["rows"]] + others
+    assert len(every) == 200 and len(sentences) == 40
     directory, _ = real_model_file(MINILM)
     want = SentenceTransformer(str(directory), device="cpu").encode(every, batch_size=32)
     got = np.asarray([o.embedding for o in LLMEngine(EngineConfig(model=MINILM)).embed(every)])

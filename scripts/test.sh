@@ -3,7 +3,7 @@
 # By default the tests marked slow are left out: long scenarios (chaos faults, resumes after a
 # killed driver, `ray job submit`, cron, the shipped configs run whole), each with a fast sibling
 # in the suite. `scripts/test.sh --slow` runs only those, `scripts/test.sh --all` everything;
-# CI (.ci/run) runs the default part and a third of the slow one (--shard I/3).
+# CI (.ci/run) runs the default part and a quarter of the slow one (--shard I/4).
 # Other arguments go to pytest, e.g. scripts/test.sh -k parity -x
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -42,13 +42,17 @@ def _run_scenario(name: str, work: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory) -> dict[str, tuple[Future, Path]]:
-    """Every scenario, started AT_ONCE at a time in the order of NAMES when the first test asks."""
+def started(request, tmp_path_factory) -> dict[str, tuple[Future, Path]]:
+    """The scenarios whose tests were selected (-k, --shard), started AT_ONCE at a time in the
+    order of NAMES when the first test asks."""
+    chosen = {item.callspec.params["name"] for item in request.session.items
+              if item.originalname == "test_scenario_fires_and_loses_and_duplicates_nothing"}
     pool = ThreadPoolExecutor(AT_ONCE)
     runs = {}
     for i, name in enumerate(NAMES):
-        work = tmp_path_factory.mktemp(f"chaos{i}")
-        runs[name] = (pool.submit(_run_scenario, name, work), work)
+        if name in chosen:
+            work = tmp_path_factory.mktemp(f"chaos{i}")
+            runs[name] = (pool.submit(_run_scenario, name, work), work)
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
 

@@ -237,7 +237,7 @@ def still_duplicated(spec: JobSpec, files: list, plan: ShardPlan, recorded: dict
         return None
     units = plan_units(files, plan.segment_bytes)
     for place in dup.places:
-        at = [i for i, u in enumerate(units) if u.name == place.name and (u.start if u.segments > 1 else 0) == place.start]
+        at = [i for i in range(len(units)) if _place(units, i, place.row) == place]
         if not at or id_at(spec, units, at[0], place.row, plan) != dup.id:
             return None
     return dup

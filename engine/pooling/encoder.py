@@ -18,6 +18,7 @@ from engine.models.builtin import quiet_transformers
 from engine.models.files import check_weights, load_tokenizer
 from engine.models.pooling import PoolingInfo
 from engine.runner.devices import resolve_device, resolve_dtype
+from engine.runner.onednn import pack_linears
 
 IMPLEMENTATION = "batchinfer_varlen"
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -81,6 +82,7 @@ class EncoderRunner:
         self._position_offset = (self.model.config.pad_token_id + 1) if info.model_type in ROBERTA_TYPES else 0
         self.vocab_size = self.model.config.vocab_size
         self.weights_nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.packed_linears = pack_linears(self.model, self.device, self.dtype)  # after counting (engine.runner.onednn)
 
     @torch.inference_mode()
     def states(self, rows: list[list[int]], token_types: list[list[int]] | None = None) -> torch.Tensor:

@@ -217,39 +217,3 @@ def adapter_targets(config: EngineConfig, model_dir: Path) -> dict[str, tuple[in
     with torch.device("meta"):
         model = cls.from_config(hf_config, trust_remote_code=config.trust_remote_code)
     return {name: in_out(m) for name, m in adaptable(model).items()}
-
-
-def pack_lm_head(model, device: torch.device, dtype: torch.dtype) -> bool:
-    """On CPU, runs the LM head (vocab x hidden: by far the largest matrix) through oneDNN's
-    linear, on the head's own weight (the input embedding's, when tied: no copy). Measured on
-    this 2-core CPU at 32,000 x 512, float32, 2 threads, 1 / 8 / 64 / 256 rows: 1.2 / 2.6 / 7.3 /
-    21 ms, against torch's default GEMM's 1.3 / 3.7 / 7.8 / 26 ms. The oneDNN module with a
-    prepacked copy that ran it before (`torch.utils.mkldnn.MkldnnLinear`) took 1.3 / 3.3 / 11 /
-    40 ms: it also converts each step's logits back from oneDNN's layout. Returns whether the
-    head runs through oneDNN."""
-    head = model.get_output_embeddings()
-    if not packs_head(head, device, dtype):
-        return False
-    model.set_output_embeddings(OneDnnLinear(head))
-    return True
-
-
-class OneDnnLinear(torch.nn.Module):
-    """A float32 linear layer computed by oneDNN (`torch.ops.mkldnn._linear_pointwise`, as
-    torch.compile's CPU backend calls it) on the same weight and bias tensors as `linear`."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias,
-                                                "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def packs_head(head, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pack_lm_head runs this head through oneDNN: a plain linear one, float32 on CPU."""
-    return (device.type == "cpu" and dtype == torch.float32 and type(head) is torch.nn.Linear
-            and torch.backends.mkldnn.is_available())

@@ -21,9 +21,10 @@ from engine.quantization.methods import check_method, checkpoint_method, quantiz
 from engine.runner.attention import PassMetadata
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head, pack_lm_head,
+from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head,
                                   prepare_load)
 from engine.runner.memory import LoadPeak, used_before_load
+from engine.runner.onednn import pack_linears, pack_lm_head
 from engine.runner.pass_plan import PassPlan, build_plan
 from engine.runner.rope import rowwise_longrope
 
@@ -97,6 +98,9 @@ class ModelRunner:
         self.unquantized_nbytes: int = getattr(self, "unquantized_nbytes", self.weights_nbytes)
         """What the weights would hold unquantized, in the model's dtype (set by _quantize): the
         difference is what quantizing saved."""
+        self.packed_linears: int = pack_linears(self.model, self.device, self.dtype)
+        """Linear layers running on oneDNN-reordered weights (engine.runner.onednn; CPU float32),
+        after weights_nbytes was counted: a reordered weight has no storage to count."""
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

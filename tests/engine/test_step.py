@@ -265,7 +265,10 @@ def test_the_engine_reports_its_pool_and_weights():
     assert before["kv_blocks"] == 125 and before["kv_tokens"] == 1000 and before["block_size"] == 8
     model = llm.runner.model
     tensors = {t.data_ptr(): t for t in list(model.parameters()) + list(model.buffers())}  # a tied head once
-    assert before["weights_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    packed = [m for m in model.modules() if type(m).__name__ == "PackedLinear"]  # weights reordered by oneDNN
+    assert len(packed) == llm.runner.packed_linears > 0
+    assert before["weights_bytes"] == (sum(t.numel() * t.element_size() for t in tensors.values())
+                                       + sum(m.packed_nbytes for m in packed))
     head = model.get_output_embeddings()
     assert type(head).__name__ == "OneDnnLinear"  # a CPU float32 head runs through oneDNN, on its own weight
     if model.config.tie_word_embeddings:
@@ -281,7 +284,8 @@ def test_a_tied_cpu_head_runs_on_the_embeddings_own_weight_with_transformers_tok
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert type(head).__name__ == "OneDnnLinear" and head.weight is embedding.weight
     unique = {p.data_ptr(): p.numel() * p.element_size() for p in list(model.parameters()) + list(model.buffers())}
-    assert llm.memory["weights_bytes"] == sum(unique.values())
+    packed = sum(m.packed_nbytes for m in model.modules() if type(m).__name__ == "PackedLinear")
+    assert llm.memory["weights_bytes"] == sum(unique.values()) + packed
     prompt = [5, 17, 33, 2, 9]
     got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
     assert got == greedy(reference_model(path), prompt, 6)

@@ -7,7 +7,7 @@ is sent to the log file instead (`--verbose` leaves them all as they are):
     jobs/ is ours and still reaches the terminal);
   - file descriptor 2, which Ray's C++ core worker writes to: it is pointed at the log file too;
   - worker processes' output, which Ray forwards to the driver: not forwarded at all
-    (`log_to_driver` off, see pipeline.run.ray_env); it stays in Ray's session logs, and a failed
+    (`log_to_driver` off, see pipeline.run.shards.ray_env); it stays in Ray's session logs, and a failed
     shard's cause comes back as the job's one-line error.
 batchinfer's lines go to `terminal()`: the stderr the command started with.
 """

@@ -22,7 +22,7 @@ import pyarrow as pa
 from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
 from pipeline.run import EngineActor, engine_stage_args, with_adapters
-from pipeline.run.devices import picks_devices, resolve_devices
+from pipeline.run.shards.devices import picks_devices, resolve_devices
 from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
 

@@ -20,7 +20,7 @@ rows over that stage's summed task time); per-shard fixed cost; manifest and ind
 greedy SamplingParams, and with what a job sends (temperature 1.0, a seed per row).
 --id-column runs each case twice, side by side: without input.id_column, then with it (the
 unique-id check beside the work), and gives the ratio of their first-part times.
---id-check-rows N times the unique-id check alone (pipeline.run.unique_ids.find_duplicate) on a
+--id-check-rows N times the unique-id check alone (pipeline.run.shards.unique_ids.find_duplicate) on a
 local Ray over N ids in 100 Parquet files: its wall time, the driver's peak RSS growth, and the
 peak RSS of the Ray worker processes (polled; imports included).
 """
@@ -196,8 +196,8 @@ def id_check(rows: int, work: Path) -> dict:
     import ray
 
     from pipeline.io import Storage, list_inputs
-    from pipeline.run.planner import ShardPlan
-    from pipeline.run.unique_ids import find_duplicate
+    from pipeline.run.shards.planner import ShardPlan
+    from pipeline.run.shards.unique_ids import find_duplicate
     from pipeline.spec import validate
 
     folder = work / f"ids-{rows}"

@@ -242,14 +242,14 @@ class JobRecord:
     """The spec the output started with, as JSON with its fingerprint, secrets redacted: its
     rows_per_batch and shard_bytes keep cutting the same shards on every resume."""
     adapters: dict | None = None
-    """LoRA: adapter name -> digest of its files (pipeline.run.adapters): an adapter whose files
+    """LoRA: adapter name -> digest of its files (pipeline.run.checks.adapters): an adapter whose files
     changed is refused, one added to a lora.each job computes only its rows."""
     plan_blocks: int | None = None
     """Planning tasks of the latest run (each writes a record under _plan/)."""
     ids_unique: bool | None = None
     """True once input.id_column's values were checked unique: resumes skip the check."""
     ids_duplicate: dict | None = None
-    """The duplicate id the check found (pipeline.run.unique_ids.Duplicate.to_json: the id, its
+    """The duplicate id the check found (pipeline.run.shards.unique_ids.Duplicate.to_json: the id, its
     two places, the error line): a rerun refuses in that line while both places still hold it."""
     batchinfer_version: str | None = None
     """The batchinfer that started the output."""
@@ -282,10 +282,10 @@ class JobRecord:
 
 EARLIER_SHAPES = (
     ("no shard_plan", "an output of batchinfer before shard_bytes: shards cut every workers.rows_per_batch rows "
-                      "(256 by default), whole files (pipeline.run.planner.shard_plan)"),
+                      "(256 by default), whole files (pipeline.run.shards.planner.shard_plan)"),
     ("shard_plan bytes", "before large files were planned in segments: whole files, shards ended by bytes"),
     ("no numerics", "before outputs recorded them: a resumed one computed on CPU unless its spec set workers.gpus "
-                    "(pipeline.run.claim.choose_devices); a complete one is not checked"),
+                    "(pipeline.run.checks.claim.choose_devices); a complete one is not checked"),
     ("no adapters", "no LoRA, or before adapter digests were kept: the next run with adapters records them"),
     ("no ids_unique", "the unique-id check runs once more, then is recorded"),
     ("no ids_duplicate", "no duplicate id was found, or the check ran before the job: it then ran before any shard"),

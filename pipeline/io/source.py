@@ -1,7 +1,7 @@
 """Input side: list files, plan shards (file + row range), read one shard with row ids.
 
 Planning streams: it needs only file listings, Parquet footers and, for JSONL, one pass that
-counts newlines in fixed-size blocks (run in Ray tasks, see pipeline.run.planner). A shard is the
+counts newlines in fixed-size blocks (run in Ray tasks, see pipeline.run.shards.planner). A shard is the
 unit of work, commit and resume; its size is set by bytes of input (work), capped by rows.
 """
 from __future__ import annotations
@@ -267,7 +267,7 @@ def plan_segment(storage: Storage, path: str, name: str, start: int, stop: int, 
     """The shards of one byte segment [start, stop) of a JSONL file, and its line count. The
     segment holds the lines that start in it, so consecutive segments hold each line once and
     each can be planned without the others. Line numbers count from the segment's first line:
-    the caller adds the lines of the segments before it (pipeline.run.planner sequences them)."""
+    the caller adds the lines of the segments before it (pipeline.run.shards.planner sequences them)."""
     return _planned(storage, path, lambda: _jsonl_range(storage, path, name, rows_per_shard, shard_bytes, start, stop),
                     f"planning {name} bytes {start}-{stop}", attempts)
 

@@ -18,18 +18,18 @@ from dataclasses import dataclass, field, replace
 from engine.api import one_line
 from pipeline.errors import InputError, JobError, LockHeld, ResourceError
 from pipeline.io import PLAN_DIR, IndexWriter, JobRecord, OutputDir, RunLock, RunRecord, Storage
-from pipeline.run import chaos
-from pipeline.run.adapters import check_adapters, with_adapters
-from pipeline.run.claim import choose_devices, claim
-from pipeline.run.dataflow import execute
-from pipeline.run.manifest import build_manifest, final_files
-from pipeline.run.planner import ShardPlan, plan_blocks, planned_by, shard_plan
-from pipeline.run.preflight import preflight
-from pipeline.run.progress import as_progress
-from pipeline.run.ray_env import ensure_ray
-from pipeline.run.report import PartTotals
-from pipeline.run.resources import check_resources
-from pipeline.run.unique_ids import IdCheck, still_duplicated
+from pipeline.run.shards import chaos
+from pipeline.run.checks.adapters import check_adapters, with_adapters
+from pipeline.run.checks.claim import choose_devices, claim
+from pipeline.run.shards.dataflow import execute
+from pipeline.run.results.manifest import build_manifest, final_files
+from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_by, shard_plan
+from pipeline.run.checks.preflight import preflight
+from pipeline.run.results.progress import as_progress
+from pipeline.run.shards.ray_env import ensure_ray
+from pipeline.run.results.report import PartTotals
+from pipeline.run.shards.resources import check_resources
+from pipeline.run.shards.unique_ids import IdCheck, still_duplicated
 from pipeline.spec import Job
 
 log = logging.getLogger("batchinfer")
@@ -59,7 +59,7 @@ class JobResult:
 def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None,
             log_to_driver: bool = True) -> JobResult:
     """Runs (or resumes) a job: a `Job`, or a validated spec dict (JobSpec.model_dump() with its
-    "fingerprint"). `progress`: a pipeline.run.progress.Progress, or a `message -> None` callable
+    "fingerprint"). `progress`: a pipeline.run.results.progress.Progress, or a `message -> None` callable
     (plain lines). `log_to_driver`: whether a Ray this starts prints its workers' output here."""
     if isinstance(job, dict):
         job = Job.from_dict(job)

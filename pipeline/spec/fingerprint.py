@@ -38,7 +38,7 @@ still resume (`accepted_fingerprints`, and `resumes` through the spec the output
 PLAN_FIELDS = ("rows_per_batch", "shard_bytes")
 """Worker fields that cut the input into shards, which never changes a row: since 2026-12-04 they
 count as at their defaults, and an output keeps the shard plan it started with (the spec its _job.json
-recorded: pipeline.run.planner.shard_plan), so a resume may change them. Outputs whose
+recorded: pipeline.run.shards.planner.shard_plan), so a resume may change them. Outputs whose
 fingerprint counted them resume (`accepted_fingerprints`)."""
 SETTLED_FIELDS = {"max_prefill_tokens": None, "prefix_cache_tokens": None, "cache_dir": None, "allow_pickle": False}
 """Engine fields earlier versions counted although they never change a row (the deprecated alias
@@ -87,7 +87,7 @@ def fingerprint(spec: JobSpec, settled: bool = True, alias: bool = False, tuned:
     for values in (data, defaults):  # metrics.json only, recomputed from the committed rows: never a row
         values["eval"].pop("k")
         # which adapters a job serves, and their files, are checked name by name against the output's
-        # _job.json (pipeline.run.adapters): an adapter added to a lora.each job computes only its rows
+        # _job.json (pipeline.run.checks.adapters): an adapter added to a lora.each job computes only its rows
         for key in ("adapters", "path", "storage_options"):
             values["lora"].pop(key)
     for path in sorted(ADDED_FIELDS, key=len, reverse=True):

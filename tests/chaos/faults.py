@@ -1,4 +1,4 @@
-"""The faults behind pipeline.run.chaos's hook: break a job at a named point, on purpose.
+"""The faults behind pipeline.run.shards.chaos's hook: break a job at a named point, on purpose.
 
 A job runs them with `BATCHINFER_CHAOS_HOOK=chaos.faults` (tests/ on PYTHONPATH; see
 `harness.hook_env`) and `BATCHINFER_CHAOS` set to `POINT[#K]:ACTION[:ONCE_FILE]`, several separated

@@ -3,7 +3,7 @@
     PYTHONPATH=tests python -m chaos.harness [SCENARIO ...] [--workdir DIR] [--json]   # scripts/chaos.sh
 
 Each scenario runs `python -m jobs.run` (with its own local Ray) over a fresh input, injects
-one fault (through pipeline.run.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
+one fault (through pipeline.run.shards.chaos's hook into chaos.faults, a SIGKILL from outside, a throttling
 proxy in front of S3, or a node removed from a cluster), reruns the job when the first attempt
 did not complete, and reports rows in, rows out, duplicate and lost ids, the outcome, and the
 evidence that the fault fired. A scenario passes when the fault fired and every input id is
@@ -67,7 +67,7 @@ def python_path() -> str:
 
 
 def hook_env(faults: str) -> dict:
-    """The environment that turns pipeline.run.chaos's hook on, with chaos.faults set to `faults`."""
+    """The environment that turns pipeline.run.shards.chaos's hook on, with chaos.faults set to `faults`."""
     return {"BATCHINFER_CHAOS_HOOK": "chaos.faults", "BATCHINFER_CHAOS": faults, "PYTHONPATH": python_path()}
 
 

@@ -234,7 +234,7 @@ def test_an_encoder_refuses_quantization_and_tensor_parallelism_in_one_line(mode
     """Both ran silently before: int8 left the layers in float, TP=2 ran in one process while a
     job reserved a GPU per rank. The engine and the job's preflight refuse them."""
     from pipeline.errors import JobError
-    from pipeline.run.preflight import check_model
+    from pipeline.run.checks.preflight import check_model
 
     config = EngineConfig(model=str(models["mean"]), **setting)
     with pytest.raises(ModelLoadError, match=said) as err:

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pipeline.run.devices import choose_devices
+from pipeline.run.shards.devices import choose_devices
 from pipeline.spec import validate
 
 BASE = {"model": "builtin:tiny", "input": {"path": "in.jsonl"}, "output": {"path": "out/"}}
@@ -44,7 +44,7 @@ FAKE_CLUSTER = textwrap.dedent("""
     import ray
     from pipeline.errors import JobError
     from pipeline.run import engine_stage_args, run_job
-    from pipeline.run.devices import resolve_devices
+    from pipeline.run.shards.devices import resolve_devices
     from pipeline.spec import Job, validate
 
     ray.init(address="local", num_cpus=1, num_gpus=2, include_dashboard=False, logging_level="WARNING")
@@ -101,8 +101,8 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
 
     from pipeline.errors import OutputConflict
     from pipeline.io import OutputDir, Storage
-    from pipeline.run import devices
-    from pipeline.run.claim import choose_devices, claim
+    from pipeline.run.shards import devices
+    from pipeline.run.checks.claim import choose_devices, claim
     from pipeline.spec import Job
 
     def job(out: str) -> Job:

@@ -130,7 +130,7 @@ def test_an_output_of_builtin_tiny_as_the_old_default_model_says_to_name_it(tmp_
 def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes(tmp_path, monkeypatch):
     """A file of many segments: several planning tasks, one line sequencer, the ids and row
     order of a whole-file plan, and a resume that finds the same shards."""
-    from pipeline.run import planner
+    from pipeline.run.shards import planner
 
     monkeypatch.setattr(planner, "SEGMENT_BYTES", 300)
     rows = [{"prompt": f"{i} " + "y" * (i * 53 % 400)} for i in range(60)]  # some lines span segments
@@ -168,7 +168,8 @@ def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes
 def test_an_output_planned_by_whole_files_resumes_so(tmp_path, monkeypatch):
     """An output started before segments ("shard_plan": "bytes") keeps whole-file shards on a
     resume, whatever the segment size now; a shard plan from a newer version is refused."""
-    from pipeline.run import claim, planner
+    from pipeline.run.checks import claim
+    from pipeline.run.shards import planner
 
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"{i} " + "z" * 300} for i in range(20)])
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ from jobs.cli import main
 from jobs.spec import load_spec
 from pipeline.errors import JobError, SpecError
 from pipeline.io import CommitRecord
-from pipeline.run.preflight import check_constraints
+from pipeline.run.checks.preflight import check_constraints
 from pipeline.spec import INCOMPLETE, validate
 from pipeline.tasks import TaskRunner
 from pipeline.tasks.label_fields import field_values, fields_type

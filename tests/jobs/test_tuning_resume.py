@@ -50,7 +50,7 @@ def test_a_resume_keeps_the_shards_its_output_started_with():
     """workers.rows_per_batch and shard_bytes cut the shards, never a row: they leave the
     fingerprint, and the output's plan is the one the spec in its _job.json started it with."""
     from pipeline.io import JobRecord
-    from pipeline.run.planner import ShardPlan, new_plan_record, shard_plan
+    from pipeline.run.shards.planner import ShardPlan, new_plan_record, shard_plan
 
     started = validate({**BASE, "workers": {"rows_per_batch": 2, "shard_bytes": 4096}})
     record = JobRecord(**new_plan_record(), spec=started.model_dump(mode="json"))

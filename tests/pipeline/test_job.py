@@ -31,7 +31,7 @@ def test_an_output_resumes_only_in_the_numerics_it_was_generated_in(tmp_path):
 
     from pipeline.errors import OutputConflict
     from pipeline.io import OutputDir, Storage
-    from pipeline.run.claim import claim
+    from pipeline.run.checks.claim import claim
 
     def job(**workers):
         return Job.of(validate({"input": {"path": "-"}, "output": {"path": str(tmp_path / "out")},

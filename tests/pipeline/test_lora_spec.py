@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import SpecError
-from pipeline.run.adapters import adapters_conflict
+from pipeline.run.checks.adapters import adapters_conflict
 from pipeline.spec import output_columns, validate
 
 BASE = {"input": {"path": "in.jsonl"}, "output": {"path": "out"}}

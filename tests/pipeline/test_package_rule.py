@@ -22,6 +22,14 @@ MAY_IMPORT = {
 }
 """The pipeline packages each package may import, besides itself."""
 
+RUN_MAY_IMPORT = {
+    "driver": {"checks", "shards", "results"},
+    "checks": {"shards", "results"},
+    "shards": {"results"},
+    "results": set(),
+}
+"""Inside run/: the driver over its three packages, each answering one question (pipeline/run/__init__.py)."""
+
 FACES = {"pipeline", "pipeline.index"}
 """Modules that only hand on names from their new homes (documented imports)."""
 
@@ -62,6 +70,25 @@ def test_imports_run_one_way(module):
         if own == "io":
             assert root not in ("engine", "torch", "transformers"), f"{module} imports {target}: io has no engine"
     assert "jobs" not in {t.split(".")[0] for t in GRAPH[module]}
+
+
+def run_part(module: str) -> str | None:
+    """run/'s package of a module (driver for pipeline.run.driver), None for run/'s face or outside run/."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["pipeline", "run"] and len(parts) > 2 else None
+
+
+def test_run_has_its_three_packages_and_the_driver():
+    assert {run_part(m) for m in KNOWN if run_part(m)} == set(RUN_MAY_IMPORT)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in KNOWN if run_part(m)))
+def test_inside_run_imports_run_one_way(module):
+    own = run_part(module)
+    for target in GRAPH[module]:
+        other = run_part(target)
+        if other is not None and other != own:
+            assert other in RUN_MAY_IMPORT[own], f"{module} imports {target}: run/{own} may not import run/{other}"
 
 
 def test_jobs_import_the_pipeline_through_its_faces():

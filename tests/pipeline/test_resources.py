@@ -1,5 +1,5 @@
 """The actors' resource request against the cluster's nodes (pure logic, no Ray)."""
-from pipeline.run.resources import actor_request, describe, scalable, shortfall
+from pipeline.run.shards.resources import actor_request, describe, scalable, shortfall
 from pipeline.spec import WorkersSpec
 
 CPU_NODE = {"CPU": 2.0, "memory": 8e9}

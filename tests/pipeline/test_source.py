@@ -173,7 +173,7 @@ def test_listing_sums_input_sizes_and_shards_split_each_file_s_bytes(tmp_path):
 
 def test_planning_tasks_take_few_files_and_large_files_alone(monkeypatch):
     from pipeline.io import InputFiles
-    from pipeline.run import planner
+    from pipeline.run.shards import planner
 
     def listing(sizes):
         files = InputFiles((f"/in/{i}", f"{i}", "jsonl") for i in range(len(sizes)))
@@ -237,7 +237,7 @@ def test_segments_planned_apart_cover_every_line_once_with_its_number(tmp_path, 
 def test_the_line_sequencer_answers_each_segment_once_those_before_it_reported():
     import asyncio
 
-    from pipeline.run.planner import LineSequencer
+    from pipeline.run.shards.planner import LineSequencer
 
     async def scenario():
         seq = LineSequencer()

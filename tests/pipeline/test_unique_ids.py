@@ -3,8 +3,8 @@ import pytest
 
 from pipeline.errors import JobError
 from pipeline.io import Storage, list_inputs
-from pipeline.run.planner import ShardPlan
-from pipeline.run.unique_ids import check_unique_ids
+from pipeline.run.shards.planner import ShardPlan
+from pipeline.run.shards.unique_ids import check_unique_ids
 from pipeline.spec import validate
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -33,8 +33,8 @@ def test_both_places_are_named_in_every_partitioning_and_format(tmp_path, monkey
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.run import unique_ids
-    from pipeline.run.unique_ids import find_duplicate, still_duplicated
+    from pipeline.run.shards import unique_ids
+    from pipeline.run.shards.unique_ids import find_duplicate, still_duplicated
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "p"}}\n' for i in range(30))

@@ -9,9 +9,9 @@ from importlib.metadata import PackageNotFoundError, version
 from engine.api import one_line
 from pipeline.errors import JobError, OutputConflict
 from pipeline.io import JobRecord, OutputDir, redact_spec
-from pipeline.run.adapters import adapters_conflict
-from pipeline.run.devices import picks_devices, resolve_devices
-from pipeline.run.planner import new_plan_record
+from pipeline.run.checks.adapters import adapters_conflict
+from pipeline.run.shards.devices import picks_devices, resolve_devices
+from pipeline.run.shards.planner import new_plan_record
 from pipeline.spec import Job, resumes
 
 

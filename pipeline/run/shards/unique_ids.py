@@ -2,7 +2,7 @@
 holding every id.
 
 Ray tasks read the id column of the input, one planning block of files at a time (the blocks the
-job plans by: pipeline.run.planner.plan_groups), hash each id to 16 bytes (BLAKE2b) and split the
+job plans by: pipeline.run.shards.planner.plan_groups), hash each id to 16 bytes (BLAKE2b) and split the
 hashes into `parts` partitions by their first bytes; then one task per partition sorts its hashes
 and finds the first one found twice. The driver holds object references only, and receives the
 two places (file and row) of a duplicate: it reads the id at the first to name it.
@@ -28,8 +28,8 @@ import numpy as np
 
 from pipeline.errors import InputError, JobError
 from pipeline.io import Shard, Storage, plan_file, plan_segment, read_shard, with_retries
-from pipeline.run.planner import PLAN_TASK_MEMORY, ShardPlan, Unit, plan_groups, plan_units
-from pipeline.run.ray_env import worker_cause
+from pipeline.run.shards.planner import PLAN_TASK_MEMORY, ShardPlan, Unit, plan_groups, plan_units
+from pipeline.run.shards.ray_env import worker_cause
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import JobError
 from pipeline.io import CommitRecord, IndexWriter, RunRecord
-from pipeline.run import chaos
-from pipeline.run.planner import ShardPlan, plan_blocks, planned_dataset
-from pipeline.run.ray_env import quiet_ray_data, worker_cause
-from pipeline.run.report import PartTotals
-from pipeline.run.resources import engine_stage_args
-from pipeline.run.worker import ShardWorker
+from pipeline.run.shards import chaos
+from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_dataset
+from pipeline.run.shards.ray_env import quiet_ray_data, worker_cause
+from pipeline.run.results.report import PartTotals
+from pipeline.run.shards.resources import engine_stage_args
+from pipeline.run.shards.worker import ShardWorker
 
 if TYPE_CHECKING:
     from pipeline.spec import Job
@@ -45,7 +45,7 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
             progress, stop=None) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
     `index` and to the returned totals; the counts of shards committed now are added to `run`.
-    `stop`: what may stop the job while it runs (a pipeline.run.unique_ids.IdCheck): its failure
+    `stop`: what may stop the job while it runs (a pipeline.run.shards.unique_ids.IdCheck): its failure
     ends the run, the engine actors starting no shard after it."""
     import ray
 

@@ -16,7 +16,7 @@ from engine.api import CPU_POOL_TOKENS
 from engine.api import RankError, one_line
 from pipeline.errors import FatalShardError
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
-from pipeline.run import chaos
+from pipeline.run.shards import chaos
 from pipeline.tasks import (empty_device_cache, engine_facts, is_out_of_memory, output_table, start_engine,
                             stop_engine)
 
@@ -69,7 +69,7 @@ class ShardWorker(EngineActor):
     def _setup(self, job: Job, stop=None) -> None:
         chaos.point("init")
         self.job = job
-        self.stop = stop  # a StopSignal actor (pipeline.run.dataflow), asked before each shard
+        self.stop = stop  # a StopSignal actor (pipeline.run.shards.dataflow), asked before each shard
         self.spec = spec = job.spec
         self.input = Storage(spec.input.path, spec.input.storage_options)
         self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.run.resources import alive_nodes, node_groups
+from pipeline.run.shards.resources import alive_nodes, node_groups
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec

@@ -16,6 +16,9 @@ A layer that shares its weight with another (a tied head) is left alone: packing
 a second copy."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import warnings
 
 import torch
@@ -107,9 +110,55 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
         warnings.warn(f"oneDNN's packed linear layers are off for this engine ({problem}): torch's linear runs them",
                       stacklevel=2)
         return 0
+    mapped = FileMappings.read()
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+        mapped.drop(child.weight)
     return len(targets)
+
+
+class FileMappings:
+    """The file mappings of this process that hold checkpoint weights (transformers loads a
+    safetensors file's tensors as views of a private mmap of it). A weight read from one is
+    resident once read: after its reordered copy is made, the whole pages that only it covers are
+    given back (madvise MADV_DONTNEED: the file is unchanged, and a later read of those bytes, if
+    any, reads the file again). Without this, packing left the float32 weights resident twice
+    (SmolLM2: 852 MiB added at load, against 513 MiB of weights)."""
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        self.spans = spans
+
+    @classmethod
+    def read(cls) -> "FileMappings":
+        spans = []
+        if sys.platform.startswith("linux"):
+            try:
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        fields = line.split()
+                        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                            spans.append((lo, hi))
+            except OSError:
+                pass
+        return cls(spans)
+
+    def drop(self, tensor: torch.Tensor) -> int:
+        """Gives back the whole pages of `tensor` (a weight no longer used) inside a checkpoint
+        mapping; returns the bytes. Pages it shares with a neighbouring tensor stay."""
+        if not self.spans or tensor.device.type != "cpu":
+            return 0
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        if not any(lo <= start and end <= hi for lo, hi in self.spans):
+            return 0
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, end // page * page
+        if hi <= lo:
+            return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
 
 
 def _check(linear: torch.nn.Linear) -> str:

@@ -3,6 +3,7 @@ packed, that the tokens stay transformers', and that a fast path failing its che
 for that engine in one warning, the tokens unchanged."""
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
@@ -90,3 +91,31 @@ def test_a_packed_layer_failing_its_check_is_off_for_that_engine_in_one_warning(
     monkeypatch.undo()
     llm2, _ = run(path)  # the next engine checks again and packs
     assert llm2.runner.packed_linears > 0
+
+
+def mapping_rss(path) -> int | None:
+    """Resident bytes of this process's mappings of `path` (None where it is not mapped)."""
+    total, inside = None, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total = (total or 0) + int(fields[1]) * 1024
+    return total
+
+
+def test_packed_weights_are_not_left_resident_in_the_checkpoint_mapping(tiny_model_dir, reference_model, tmp_path):
+    """The float32 weights are held once: the pages only a packed weight covered in the mmap'd
+    checkpoint are given back, the other tensors' bytes (embedding, norms) still read right."""
+    path = tmp_path / "llama"  # a copy no other test's model has mapped
+    shutil.copytree(tiny_model_dir("llama"), path)
+    llm, got = run(path)
+    model = llm.runner.model
+    packed = sum(m.packed_nbytes for m in model.modules() if isinstance(m, onednn.PackedLinear))
+    files = list(path.glob("*.safetensors"))
+    resident = sum(mapping_rss(f.resolve()) or 0 for f in files)
+    size = sum(f.stat().st_size for f in files)
+    assert packed > size / 2
+    assert resident <= size - packed + 2 * 4096 * llm.runner.packed_linears, (resident, size, packed)
+    assert got == greedy(reference_model(path), PROMPT, 8)

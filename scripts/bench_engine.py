@@ -11,6 +11,8 @@ Measures generated tokens/s of
   4. CTranslate2 float32 (scripts/ct2_reference.py, token-batched at the same budget), when
      installed (`pip install -e .[bench]`),
   5. the engine with `quantization: int8` in its best mode, and CTranslate2 with int8 weights,
+  6. on a GGUF model, llama.cpp on the file as stored (scripts/llamacpp_reference.py, batched
+     decoding; `pip install -e .[llamacpp]` builds llama-cpp-python from source),
 checks that they produce the same tokens, and prints a table with ratios. Then an 8-row case
 (8 requests, all running at once), where decode reads weights more than it computes: the engine
 and CTranslate2 in float32 and int8.
@@ -44,11 +46,17 @@ from engine.models import resolve_model_dir
 MODEL = "builtin:llama-42m"
 
 
+def sibling(name: str):
+    """A script of scripts/ imported as a module (they are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def chat_workload(tokenizer, n: int, seed: int, output_range):
     """n chat prompts (the reference script's questions, cycled), rendered and tokenized."""
-    spec = importlib.util.spec_from_file_location("make_references", Path(__file__).parent / "make_references.py")
-    refs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(refs)
+    refs = sibling("make_references")
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
@@ -93,9 +101,7 @@ def hf_padded_batches(model, prompts, outputs, batch_size: int):
 
 def ctranslate2_run(model_dir, prompts, outputs, budget: int, compute_type: str = "float32"):
     """CTranslate2's timed generate_batch, or None when it is not installed."""
-    spec = importlib.util.spec_from_file_location("ct2_reference", Path(__file__).parent / "ct2_reference.py")
-    ct2 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ct2)
+    ct2 = sibling("ct2_reference")
     if ct2.available() is not None:
         print(f"CTranslate2 row skipped: {ct2.available()}")
         return None
@@ -103,6 +109,28 @@ def ctranslate2_run(model_dir, prompts, outputs, budget: int, compute_type: str 
     out_dir = ct2.convert(model_dir, cache / f"{Path(model_dir).name}-float32")
     run = ct2.generate(out_dir, prompts, outputs, threads=torch.get_num_threads(), max_batch_tokens=budget,
                        compute_type=compute_type)
+    return run["outputs"], run["seconds"]
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file a builtin real model or a local path reads, else None."""
+    from engine.models import real_model_file
+    from engine.models.builtin import BUILTIN_PREFIX, REAL_MODELS
+
+    if model.startswith(BUILTIN_PREFIX) and model[len(BUILTIN_PREFIX):] in REAL_MODELS:
+        path = real_model_file(model)[0]
+    else:
+        path = Path(model)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def llamacpp_run(gguf: Path, prompts, outputs):
+    """llama.cpp's timed batched greedy decoding on the GGUF as stored, or None when it is not installed."""
+    ref = sibling("llamacpp_reference")
+    if ref.available() is not None:
+        print(f"llama.cpp row skipped: {ref.available()} (pip install -e .[llamacpp] builds it)")
+        return None
+    run = ref.generate(str(gguf), prompts, outputs, threads=torch.get_num_threads())
     return run["outputs"], run["seconds"]
 
 
@@ -213,6 +241,10 @@ def main() -> None:
         if not args.no_int8:
             ct2_q = ctranslate2_run(model_dir, prompts, outputs, budget, "int8")
             rows.append(("CTranslate2 int8, token-batched", ct2_q[1], ct2_q[0]))
+    gguf = gguf_file(MODEL)
+    llamacpp = llamacpp_run(gguf, prompts, outputs) if gguf is not None else None
+    if llamacpp is not None:
+        rows.append((f"llama.cpp, {gguf.name} as stored, batched", llamacpp[1], llamacpp[0]))
     print()
     print("| mode | seconds | generated tok/s | vs 1-at-a-time | vs padded | vs CTranslate2 | same tokens as 1-at-a-time |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -225,6 +257,9 @@ def main() -> None:
         print(f"\nint8: ours {times['CTranslate2 int8, token-batched'] / times[f'batchinfer engine int8 ({best})']:.2f}x "
               f"CTranslate2 int8 (target >= 1.5x); ours int8 "
               f"{times[f'batchinfer engine ({best})'] / times[f'batchinfer engine int8 ({best})']:.2f}x ours float32")
+    if llamacpp is not None and args.int4:
+        print(f"int4: ours {llamacpp[1] / times[f'batchinfer engine int4 ({best})']:.2f}x llama.cpp on the "
+              f"{gguf.name} file; llama.cpp {times[f'batchinfer engine ({best})'] / llamacpp[1]:.2f}x ours float32")
     if not args.no_int8:
         eight_rows(model_dir, prompts[:8], outputs[:8])
     stats = llm.batch_stats

@@ -114,11 +114,13 @@ def ctranslate2_run(model_dir, prompts, outputs, budget: int, compute_type: str 
 
 def gguf_file(model: str) -> Path | None:
     """The GGUF file a builtin real model or a local path reads, else None."""
-    from engine.models import real_model_file
-    from engine.models.builtin import BUILTIN_PREFIX, REAL_MODELS
+    from engine.models import is_builtin, real_model_file
 
-    if model.startswith(BUILTIN_PREFIX) and model[len(BUILTIN_PREFIX):] in REAL_MODELS:
-        path = real_model_file(model)[0]
+    if is_builtin(model):
+        try:
+            path = real_model_file(model)[0]
+        except KeyError:  # a random-weight builtin: no file
+            return None
     else:
         path = Path(model)
     return path if path.suffix == ".gguf" and path.is_file() else None

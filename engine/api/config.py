@@ -80,7 +80,7 @@ class EngineConfig:
     tokenizer: str | None = None
     """Tokenizer directory (or .gguf file, or Hub id) if it differs from the model's; a GGUF model's tokenizer and chat template otherwise come from its metadata."""
     extra: dict = field(default_factory=dict)
-    """Extra keyword arguments for `from_pretrained` (e.g. revision, attn_implementation)."""
+    """Extra keyword arguments for `from_pretrained` (e.g. revision, code_revision); attn_implementation is refused: the engine runs its own attention over the paged KV pool."""
     pooling: dict | None = None
     """embed/classify/score: overrides the model's pooling (vLLM's PoolerConfig): {pooling_type: MEAN, CLS or LAST; normalize: true or false}; null = as the model says."""
     enable_lora: bool = False

@@ -22,12 +22,12 @@ from pipeline.run.shards import chaos
 from pipeline.run.checks.adapters import check_adapters, with_adapters
 from pipeline.run.checks.claim import choose_devices, claim
 from pipeline.run.shards.dataflow import execute
-from pipeline.run.results.manifest import build_manifest, final_files
+from pipeline.run.reporting.manifest import build_manifest, final_files
 from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_by, shard_plan
 from pipeline.run.checks.preflight import preflight
-from pipeline.run.results.progress import as_progress
+from pipeline.run.reporting.progress import as_progress
 from pipeline.run.shards.ray_env import ensure_ray
-from pipeline.run.results.report import PartTotals
+from pipeline.run.reporting.report import PartTotals
 from pipeline.run.shards.resources import check_resources
 from pipeline.run.shards.unique_ids import IdCheck, still_duplicated
 from pipeline.spec import Job
@@ -59,7 +59,7 @@ class JobResult:
 def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None,
             log_to_driver: bool = True) -> JobResult:
     """Runs (or resumes) a job: a `Job`, or a validated spec dict (JobSpec.model_dump() with its
-    "fingerprint"). `progress`: a pipeline.run.results.progress.Progress, or a `message -> None` callable
+    "fingerprint"). `progress`: a pipeline.run.reporting.progress.Progress, or a `message -> None` callable
     (plain lines). `log_to_driver`: whether a Ray this starts prints its workers' output here."""
     if isinstance(job, dict):
         job = Job.from_dict(job)

@@ -25,7 +25,7 @@ untrusted input: over MAX_SCHEMA_BYTES it is refused here, and the engine bounds
 grammar may take to compile (engine.structured.COMPILE_TIMEOUT_S); either way only that request fails.
 
 Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
-written by pipeline.run.results.openai_files.
+written by pipeline.run.reporting.openai_files.
 """
 from __future__ import annotations
 

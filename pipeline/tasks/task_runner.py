@@ -5,7 +5,7 @@ label     prompt -> one of `choices`, picked by the log-likelihood of each choic
           prompt (no sampling), generated text parsed with `label_regex`, or a JSON object
           generated under `json_schema` (its properties also in the label_fields struct).
 eval      generate (or label), then score each row against its reference (`score_<metric>`
-          columns); pipeline.run.results.metrics aggregates the committed scores into metrics.json.
+          columns); pipeline.run.reporting.metrics aggregates the committed scores into metrics.json.
 
 Prompts come from a column, a template, chat messages (rendered with the model's chat
 template) or OpenAI Batch request lines. Every problem with one row becomes that row's error; a

@@ -15,7 +15,7 @@ from jobs.cli import summary_table
 from pipeline import build_processor
 from pipeline.errors import JobError
 from pipeline.run import run_job
-from pipeline.run.results.sample_metrics import majority
+from pipeline.run.reporting.sample_metrics import majority
 from pipeline.spec import Job, validate
 from pipeline.tasks import normalize, row_seed
 

@@ -5,7 +5,7 @@ import re
 import pyarrow as pa
 import pytest
 
-from pipeline.run.results.metrics import MetricsAccumulator, compute_metrics, wilson_interval
+from pipeline.run.reporting.metrics import MetricsAccumulator, compute_metrics, wilson_interval
 from pipeline.spec import METRICS, check_metrics
 from pipeline.tasks import Normalizer, extract_answer, normalize, score_columns, score_row
 

@@ -46,7 +46,7 @@ def test_a_plain_callable_still_works():
 
 
 def test_a_streamed_plan_reports_share_of_input_and_eta_from_bytes(monkeypatch):
-    import pipeline.run.results.progress as mod
+    import pipeline.run.reporting.progress as mod
 
     now = [1000.0]
     monkeypatch.setattr(mod.time, "time", lambda: now[0])

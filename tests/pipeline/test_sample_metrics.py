@@ -5,8 +5,8 @@ import random
 import pyarrow as pa
 import pytest
 
-from pipeline.run.results.metrics import compute_metrics
-from pipeline.run.results.sample_metrics import SampleMetrics, majority, pass_at_k
+from pipeline.run.reporting.metrics import compute_metrics
+from pipeline.run.reporting.sample_metrics import SampleMetrics, majority, pass_at_k
 
 Z = 1.959963984540054
 

@@ -15,7 +15,7 @@ from pipeline.io import CommitRecord, IndexWriter, RunRecord
 from pipeline.run.shards import chaos
 from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_dataset
 from pipeline.run.shards.ray_env import quiet_ray_data, worker_cause
-from pipeline.run.results.report import PartTotals
+from pipeline.run.reporting.report import PartTotals
 from pipeline.run.shards.resources import engine_stage_args
 from pipeline.run.shards.worker import ShardWorker
 

@@ -30,7 +30,7 @@ def ensure_ray(address: str | None, log_to_driver: bool = True) -> None:
 
 def quiet_ray_data() -> None:
     """Ray Data's own progress bars and per-dataset logs off: the job reports its own progress
-    (pipeline.run.results.progress), and two bars never draw at once."""
+    (pipeline.run.reporting.progress), and two bars never draw at once."""
     import ray
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)

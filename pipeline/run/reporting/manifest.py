@@ -7,10 +7,10 @@ import time
 
 from engine import __version__
 from pipeline.io import LAYOUT, IndexWriter, JobRecord, OutputDir, RunRecord, entries, redact_spec
-from pipeline.run.results.metrics import MetricsAccumulator, write_metrics
-from pipeline.run.results.openai_files import write_batch_files
-from pipeline.run.results.sample_metrics import SampleMetrics
-from pipeline.run.results.report import PartTotals, usage
+from pipeline.run.reporting.metrics import MetricsAccumulator, write_metrics
+from pipeline.run.reporting.openai_files import write_batch_files
+from pipeline.run.reporting.sample_metrics import SampleMetrics
+from pipeline.run.reporting.report import PartTotals, usage
 from pipeline.spec import ADAPTER, Job, JobSpec, reports_metrics
 
 

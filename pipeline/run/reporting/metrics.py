@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 class SampleMetrics(Protocol):
     """With n > 1 samples per input row, their pass@k and maj@n accumulator
-    (pipeline.run.results.sample_metrics.SampleMetrics; named here, not imported: that module builds on this one)."""
+    (pipeline.run.reporting.sample_metrics.SampleMetrics; named here, not imported: that module builds on this one)."""
 
     n: int
 

@@ -26,7 +26,7 @@ from fractions import Fraction
 
 import pyarrow as pa
 
-from pipeline.run.results.metrics import DECIMALS, WILSON_Z, _Tally
+from pipeline.run.reporting.metrics import DECIMALS, WILSON_Z, _Tally
 from pipeline.spec import SAMPLE_INDEX, is_failed, score_column
 from pipeline.tasks import Normalizer, extract_answer, group_key, score_row
 

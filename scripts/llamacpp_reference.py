@@ -73,7 +73,7 @@ def generate(gguf: str, prompts: list[list[int]], max_tokens: list[int], *, thre
     batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
 
     def decode(entries):
-        """entries: (token, pos, seq, wants logits); returns the batch index of each wanted one."""
+        """entries: (token, pos, seq, wants logits); returns seq -> its greedy next token, for each wanted one."""
         wanted = {}
         for start in range(0, len(entries), n_batch):
             chunk = entries[start:start + n_batch]

@@ -91,9 +91,10 @@ HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Replaces every plain float32 nn.Linear of `model` whose weight no other module shares by a
     PackedLinear (its forward hooks carried over), on CPU where oneDNN is available; returns how
-    many. Quantized and LoRA layers are other types and tied ones are shared: they stay. The first layer is checked against
-    torch's linear on a small input first: if oneDNN raises or differs beyond PACK_TOLERANCE,
-    nothing is packed and one warning says so (the layers then run torch's linear, as before)."""
+    many. Quantized and LoRA layers are other types and tied ones are shared: they stay. The first
+    layer is checked against torch's linear on a small input first: if oneDNN raises or differs
+    beyond PACK_TOLERANCE, nothing is packed and one warning says so (the layers then run torch's
+    linear, as before)."""
     if not onednn_available(device, dtype):
         return 0
     owners: dict[int, int] = {}
@@ -105,14 +106,14 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
                and owners.get(id(child.weight)) == 1]
     if not targets:
         return 0
-    problem = _check(targets[0][2])
+    first, problem = _check(targets[0][2])
     if problem:
         warnings.warn(f"oneDNN's packed linear layers are off for this engine ({problem}): torch's linear runs them",
                       stacklevel=2)
         return 0
     mapped = FileMappings.read()
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, first if child is targets[0][2] else PackedLinear(child))
         mapped.drop(child.weight)
     return len(targets)
 
@@ -127,6 +128,7 @@ class FileMappings:
 
     def __init__(self, spans: list[tuple[int, int]]):
         self.spans = spans
+        self._madvise = None
 
     @classmethod
     def read(cls) -> "FileMappings":
@@ -156,21 +158,24 @@ class FileMappings:
         lo, hi = -(-start // page) * page, end // page * page
         if hi <= lo:
             return 0
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
+        if self._madvise is None:  # once per engine, not per layer
+            self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+            self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return hi - lo if self._madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
 
 
-def _check(linear: torch.nn.Linear) -> str:
-    """'' when a packed copy of `linear` gives torch's output on 3 random rows, else why not."""
+def _check(linear: torch.nn.Linear) -> tuple[PackedLinear | None, str]:
+    """(the packed copy of `linear`, '') when it gives torch's output on 3 random rows, else
+    (None, why not)."""
     x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
     try:
         with torch.inference_mode():
             want = torch.nn.functional.linear(x, linear.weight, linear.bias)
-            got = PackedLinear(linear).forward(x)  # not __call__: its forward hooks (an all-reduce) stay out
+            packed = PackedLinear(linear)
+            got = packed.forward(x)  # not __call__: its forward hooks (an all-reduce) stay out
     except Exception as exc:  # noqa: BLE001 - any failure of the fast path means using the plain one
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     diff = float((got - want).abs().max())
     if not diff <= PACK_TOLERANCE * max(1.0, float(want.abs().max())):
-        return f"largest difference {diff:.2e} on a check"
-    return ""
+        return None, f"largest difference {diff:.2e} on a check"
+    return packed, ""

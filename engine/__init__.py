@@ -20,7 +20,7 @@ offline `LLM` over it (offline.py), choice scoring (scoring.py) and `builtin:ech
 specs can be read anywhere."""
 __version__ = "0.1.0"
 
-from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, BatchStats, ChoiceScores, ClassificationOutput,
+from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, FastPathError, BatchStats, ChoiceScores, ClassificationOutput,
                         ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
                         ScoringRequestOutput, Completion, ConstraintError, DeviceError, RegexTimeout, EmbeddingOutput, EngineBusy, EngineConfig,
                         EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
@@ -49,4 +49,4 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequ
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
            "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
-           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "RegexTimeout", "GrammarBusy", "one_line"]
+           "RankError", "EngineBusy", "AttentionOutsideEngine", "FastPathError", "ConstraintError", "RegexTimeout", "GrammarBusy", "one_line"]

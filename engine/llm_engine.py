@@ -84,7 +84,8 @@ class LLMEngine(ReadingCalls):
         """Figures of the batch running now; closed ones go to batch_stats."""
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
         self.grammar = GrammarBackend(self.runner.hf_tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids,
-                                      backend=config.structured_outputs_backend)
+                                      backend=config.structured_outputs_backend,
+                                      paths=getattr(self.runner, "paths", None))
         """Structured outputs: grammars compiled once per constraint, matchers per constrained row."""
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0

@@ -221,6 +221,8 @@ def report_table(data: dict) -> str:
             if e.get("rank_load_peak_bytes"):  # tensor parallelism: what each rank held and loaded
                 lines.append(f"{'':<24} ranks' weights {' / '.join(map(_mib, e['rank_weights_bytes']))}, "
                              f"load peaks {' / '.join(map(_mib, e['rank_load_peak_bytes']))}")
+            for path, state in (e.get("fast_paths") or {}).items():  # engine.runner.fast_paths' checks
+                lines.append(f"{'':<24} {path}: {state}")
     adapters = data.get("adapters", {})
     if adapters:  # metrics.json's per-adapter figures: one table compares the fine-tunes
         metrics = [m for m in next(iter(adapters.values())) if m != "rows"]

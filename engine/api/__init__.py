@@ -1,7 +1,7 @@
 """What a caller configures, asks for and gets back: the engine's config, sampling and structured-output
 parameters, its outputs and its errors. Plain dataclasses, no torch: job specs import them anywhere."""
 from engine.api.config import CPU_POOL_TOKENS, DEFAULT_MODEL, SCHEDULING_MODES, EngineConfig, auto_dtype
-from engine.api.errors import (AdapterError, AttentionOutsideEngine, BatchFull, ConstraintError, DeviceError, RegexTimeout, EngineBusy,
+from engine.api.errors import (AdapterError, AttentionOutsideEngine, BatchFull, FastPathError, ConstraintError, DeviceError, RegexTimeout, EngineBusy,
                                EngineError, GrammarBusy, ModelLoadError, PoolExhausted, PoolSizingError, RankError,
                                one_line)
 from engine.api.lora import LoRARequest, per_prompt_lora
@@ -20,4 +20,4 @@ __all__ = ["EngineConfig", "CPU_POOL_TOKENS", "DEFAULT_MODEL", "SCHEDULING_MODES
            "POOLING_TASKS", "LoRARequest", "per_prompt_lora", "RequestOutput", "CompletionOutput", "Logprob",
            "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
            "EngineError", "AdapterError", "ModelLoadError", "DeviceError", "PoolSizingError", "PoolExhausted", "BatchFull",
-           "RankError", "EngineBusy", "AttentionOutsideEngine", "ConstraintError", "RegexTimeout", "GrammarBusy", "one_line"]
+           "RankError", "EngineBusy", "AttentionOutsideEngine", "FastPathError", "ConstraintError", "RegexTimeout", "GrammarBusy", "one_line"]

@@ -69,6 +69,8 @@ class EngineConfig:
     """Deprecated and ignored: cached prefix blocks live in the KV pool's free blocks."""
     enforce_eager: bool = False
     """Run decode steps eagerly (vLLM's name): no CUDA graphs. By default decode passes on CUDA replay graphs captured per row bucket."""
+    strict_kernels: bool = False
+    """A fast path (attention kernel, CUDA graphs, quantized GEMM) that fails its start-up check against the torch reference stops the engine instead of falling back with a warning: for benchmarks and CI on a GPU. Changes no output row."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a rerun samples the same tokens."""
     allow_pickle: bool = False

@@ -52,6 +52,13 @@ class EngineBusy(EngineError):
     run. A retry helps once those are drained (step() until has_unfinished() is False)."""
 
 
+class FastPathError(EngineError):
+    """A fast path (a kernel, CUDA graphs, a quantized GEMM) failed its check against the torch
+    reference while `strict_kernels` was set (otherwise the engine falls back to the reference
+    with one warning), or a LoRA layer, which has no second path, failed its own. A retry does
+    not help: run without strict_kernels, or fix the kernel or the driver it needs."""
+
+
 class AttentionOutsideEngine(EngineError):
     """A model loaded with the engine's paged attention was run outside the engine (it has no KV
     pool to read). A retry cannot help: run it through LLMEngine, or load it anew with another

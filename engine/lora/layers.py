@@ -87,6 +87,44 @@ class LoRALinear(nn.Module):
         return y
 
 
+def check_layer(base: nn.Module, device: torch.device, dtype: torch.dtype, paths) -> None:
+    """A LoRALinear around `base` (one of the model's projections) with two rank-4 adapters, over a
+    pass of six tokens whose slot-0 tokens are contiguous (the addmm_ path) and slot-1 tokens are
+    not (index_add_), against base(x) + (x A^T) B^T per token: a FastPathError when they differ
+    (LoRA has no second path). `paths`: the engine's engine.runner.fast_paths.FastPaths."""
+    gen = torch.Generator().manual_seed(0)
+    fan_in, fan_out = in_out(base)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.1).to(device=device, dtype=dtype)
+
+    a, b = [rand(4, fan_in), rand(4, fan_in)], [rand(fan_out, 4), rand(fan_out, 4)]
+    context = LoRAContext(device)
+    layer = LoRALinear(base, context, 2)
+    for slot in (0, 1):
+        layer.set_slot(slot, a[slot], b[slot])
+    x = rand(6, fan_in) * 10
+    slots = np.array([0, 0, -1, 1, -1, 1])
+
+    def fast():
+        context.begin(slots)
+        try:
+            return layer(x).clone()
+        finally:
+            context.end()
+
+    def reference():
+        y = base(x).float()
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                y[t] += (x[t].float() @ a[slot].float().T) @ b[slot].float().T
+        return y
+
+    with torch.inference_mode():
+        paths.check("lora", fast, reference, 2e-4 if dtype == torch.float32 else 3e-2,
+                    "adapters cannot be served on this device: run without enable_lora", fatal=True)
+
+
 def in_out(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a linear layer (nn.Linear or the engine's quantized ones)."""
     return int(module.in_features), int(module.out_features)

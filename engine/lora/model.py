@@ -18,14 +18,14 @@ from engine.api.errors import AdapterError
 from engine.api.lora import LoRARequest
 from engine.distributed.tensor_parallel import shard_tensor, style_of, whole_rows
 from engine.lora.adapters import AdapterWeights, read_adapter
-from engine.lora.layers import LoRAContext, LoRALinear, adaptable, in_out, wrap
+from engine.lora.layers import LoRAContext, LoRALinear, adaptable, check_layer, in_out, wrap
 
 
 class LoRAModel:
     """LoRA on one rank's model. `shard`: (styles, sections, rank, n) under tensor parallelism."""
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                 shard: tuple | None = None):
+                 shard: tuple | None = None, paths=None):
         self.config = config
         self.model = model
         self.device = device
@@ -39,6 +39,8 @@ class LoRAModel:
         self.paths: dict[int, tuple[str, str]] = {}
         """lora_int_id -> (lora_name, lora_path) first seen: one id names one adapter."""
         self.layers: dict[str, LoRALinear] = {}
+        if paths is not None and shard is None and self.targets:  # (a shard's projection all-reduces: not alone)
+            check_layer(next(iter(adaptable(model).values())), device, dtype, paths)
 
     def _full_shape(self, name: str, module: nn.Module) -> tuple[int, int]:
         fan_in, fan_out = in_out(module)

@@ -196,7 +196,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale[None, :].contiguous())  # (1, N) float32
         # the product comes out in bfloat16 (see forward), and a bias is added in the product's dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
-        self.out_features = self.qweight.shape[0]
+        self.out_features, self.in_features = self.qweight.shape
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +212,10 @@ class Fp8Linear(nn.Module):
         y = torch._scaled_mm(xq, self.qweight.T, scale_a=x_scale, scale_b=self.scale, out_dtype=torch.bfloat16,
                              bias=self.bias)
         return y.to(self.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these float8 values and scales stand for, (N, K) float32."""
+        return self.qweight.float() * self.scale.float().T
 
 
 def checkpoint_method(hf_config) -> tuple[str | None, str | None]:

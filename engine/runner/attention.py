@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.api.errors import AttentionOutsideEngine, one_line
+from engine.runner.fast_paths import FastPaths, attention_tolerance
 from engine.runner.kernel_build import KernelBuild, report
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
+    paths = cache.paths
     if meta.small is None and not meta.chunks:
-        return token_attention(q, layer.keys, layer.values, meta, scale, window, cap)[None], None
+        return token_attention(q, layer.keys, layer.values, meta, scale, window, cap, paths)[None], None
     out = torch.empty_like(q)
     if meta.small is not None and meta.small.numel():
         sub = PassMetadata(meta.slot_mapping, meta.block_tables, meta.token_row[meta.small], meta.ctx[meta.small],
                            meta.max_ctx, None, [])
-        out[meta.small] = token_attention(q[meta.small], layer.keys, layer.values, sub, scale, window, cap)
+        out[meta.small] = token_attention(q[meta.small], layer.keys, layer.values, sub, scale, window, cap, paths)
     fast = _triton_kernels(q)
-    if fast is not None and meta.chunks:
+    if fast is not None and meta.chunks and checked_kernel(paths, "triton_prefill", fast, q, layer.keys, window, cap):
         if meta.chunk_spans is None:
             meta.chunk_spans = torch.tensor(meta.chunks, dtype=torch.int32, device=q.device)
         fast.chunk_attention(q, layer.keys, layer.values, meta.block_tables, meta.chunk_spans,
@@ -94,14 +96,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return out[None], None
 
 
-def token_attention(q, k_pool, v_pool, meta: PassMetadata, scale: float, window: int, softcap: float):
-    """q (T, H, D) -> (T, H, D): token t over positions [ctx - window, ctx) of its row."""
+def token_attention(q, k_pool, v_pool, meta: PassMetadata, scale: float, window: int, softcap: float,
+                    paths: FastPaths | None = None):
+    """q (T, H, D) -> (T, H, D): token t over positions [ctx - window, ctx) of its row. With `paths`
+    (the engine's), a kernel serves only once it passed its check for that engine."""
     fast = _triton_kernels(q)
-    if fast is not None:
+    if fast is not None and checked_kernel(paths, "triton_decode", fast, q, k_pool, window, softcap):
         return fast.paged_decode(q, k_pool, v_pool, meta.block_tables, meta.token_row, meta.ctx, meta.max_ctx,
                                  scale, window, softcap)
     kernel = _cpu_kernel() if q.device.type == "cpu" and q.dtype == k_pool.dtype == torch.float32 else None
-    if kernel is not None:
+    if kernel is not None and checked_kernel(paths, "cpu_attention", kernel, q, k_pool, window, softcap):
         return kernel.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.token_row, meta.ctx,
                                       scale, window, softcap)
     return reference_token_attention(q, k_pool, v_pool, meta.block_tables, meta.token_row, meta.ctx,
@@ -160,6 +164,67 @@ def chunk_attention(q, k_pool, v_pool, blocks, start: int, scale: float, window:
         out = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask,
                                              is_causal=mask is None, scale=scale, enable_gqa=True)[0]
     return out.transpose(0, 1)  # (S, H, D)
+
+
+# -- the kernels' checks ---------------------------------------------------------------------
+
+def checked_kernel(paths: FastPaths | None, path: str, kernel, q, k_pool, window: int, softcap: float) -> bool:
+    """Whether `kernel` (a module: the C++ one for `cpu_attention`, the Triton one otherwise) may
+    serve this engine: at its first use, it runs once on a tiny pool of this layer's shapes and
+    dtypes against the reference (engine.runner.fast_paths)."""
+    if paths is None:
+        return True
+    known = paths.usable(path)
+    if known is not None:
+        return known
+    case = tiny_case(q, k_pool, chunk=path == "triton_prefill")
+    fallback = "the torch attention" + (" (gather + SDPA)" if path == "triton_prefill" else "")
+    return paths.check(path, lambda: run_kernel(path, kernel, case, window, softcap),
+                       lambda: run_reference(path, case, window, softcap), attention_tolerance(q.dtype), fallback)
+
+
+def tiny_case(q, k_pool, chunk: bool) -> dict:
+    """A pool of 4 blocks of this layer's KV heads, block size, head size and dtype, random keys and
+    values, and queries: two rows of one token each (at ctx 5 and block_size + 3), or with `chunk`
+    one row's chunk of CHUNK_MIN_TOKENS tokens after 5 earlier positions."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, bs = k_pool.shape[1], k_pool.shape[2]
+    dev = q.device
+
+    def rand(*shape, dtype=q.dtype):
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    blocks = 4 + -(-(CHUNK_MIN_TOKENS + 5) // bs)
+    k = rand(blocks, kv_heads, bs, dim, dtype=k_pool.dtype)
+    v = rand(blocks, kv_heads, bs, dim, dtype=k_pool.dtype)
+    tables = torch.arange(blocks, device=dev, dtype=torch.int32).flip(0)[None].repeat(2, 1).contiguous()
+    if chunk:
+        return {"q": rand(CHUNK_MIN_TOKENS, heads, dim), "k": k, "v": v, "tables": tables[:1], "start": 5,
+                "scale": dim ** -0.5}
+    ctx = torch.tensor([5, bs + 3], dtype=torch.int32, device=dev)
+    return {"q": rand(2, heads, dim), "k": k, "v": v, "tables": tables,
+            "rows": torch.arange(2, dtype=torch.int32, device=dev), "ctx": ctx, "max_ctx": bs + 3, "scale": dim ** -0.5}
+
+
+def run_kernel(path: str, kernel, c: dict, window: int, softcap: float) -> torch.Tensor:
+    if path == "triton_prefill":
+        out = torch.empty_like(c["q"])
+        n = c["q"].shape[0]
+        spans = torch.tensor([[0, n, 0, c["start"]]], dtype=torch.int32, device=c["q"].device)
+        kernel.chunk_attention(c["q"], c["k"], c["v"], c["tables"], spans, n, out, c["scale"], window, softcap)
+        return out
+    if path == "triton_decode":
+        return kernel.paged_decode(c["q"], c["k"], c["v"], c["tables"], c["rows"], c["ctx"], c["max_ctx"],
+                                   c["scale"], window, softcap)
+    return kernel.paged_attention(c["q"], c["k"], c["v"], c["tables"], c["rows"], c["ctx"], c["scale"], window, softcap)
+
+
+def run_reference(path: str, c: dict, window: int, softcap: float) -> torch.Tensor:
+    if path == "triton_prefill":
+        return chunk_attention(c["q"], c["k"], c["v"], c["tables"][0], c["start"], c["scale"], window, softcap)
+    return reference_token_attention(c["q"], c["k"], c["v"], c["tables"], c["rows"], c["ctx"], c["max_ctx"],
+                                     c["scale"], window, softcap)
 
 
 # -- the kernels -----------------------------------------------------------------------------

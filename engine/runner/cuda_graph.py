@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from engine.api.errors import one_line
 from engine.runner.attention import PassMetadata
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class DecodeGraphs:
         """The pool the graphs were captured over (they hold its buffers' addresses)."""
         self.pool = None
         self.failed = False
+        self.paths = getattr(runner, "paths", None)
+        """The engine's fast paths (engine.runner.fast_paths): `cuda_graphs` is recorded there."""
+        self.checked = False
+        """Whether a replay was checked against eager decoding (once, at the first capture)."""
         self.warmed: set[int] = set()
         """Buckets whose pass has run once outside a capture (see _capture)."""
         self.captures = 0
@@ -143,26 +148,19 @@ class DecodeGraphs:
     def _capture(self, b: int, cache) -> "torch.cuda.CUDAGraph | None":
         started = time.perf_counter()
         try:
-            if b not in self.warmed:
-                # Each bucket once, on a side stream, before its capture: loading a kernel (a
-                # Triton variant is chosen by the bucket's rows: split-KV or not, its segment
-                # count), lazy initialisation and library workspaces are not allowed inside a
-                # capture. It writes the keys and values the replay will write.
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._forward(b, cache)
-                torch.cuda.current_stream().wait_stream(stream)
-                self.warmed.add(b)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                self._forward(b, cache)
+            graph = self._record(b, cache)
+            why = None if self.checked else self._check_replay(graph, b, cache)
         except Exception as exc:  # noqa: BLE001  any capture failure: decode eagerly instead
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly (set enforce_eager=True to "
-                        "skip capture)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            why = one_line(exc)
+        if why is not None:
             self.failed = True
             self.graphs.clear()
             self.pool = None  # a pool whose graphs are all gone is freed: never capture into it again
+            fallback = "eager decoding (enforce_eager=True skips capture)"
+            if self.paths is not None:
+                self.paths.fall_back("cuda_graphs", why, fallback)  # raises under strict_kernels
+            else:
+                log.warning("CUDA graph capture failed (%s); %s", why, fallback)
             return None
         if self.pool is None:
             self.pool = graph.pool()
@@ -170,3 +168,39 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         return graph
+
+    def _record(self, b: int, cache) -> "torch.cuda.CUDAGraph":
+        """Bucket b's decode pass captured into a graph (its inputs already in the buffers)."""
+        if b not in self.warmed:
+            # Each bucket once, on a side stream, before its capture: loading a kernel (a
+            # Triton variant is chosen by the bucket's rows: split-KV or not, its segment
+            # count), lazy initialisation and library workspaces are not allowed inside a
+            # capture. It writes the keys and values the replay will write.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(b, cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warmed.add(b)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            self._forward(b, cache)
+        return graph
+
+    def _check_replay(self, graph, b: int, cache) -> str | None:
+        """The first graph captured, replayed once against the same pass run eagerly (both write the
+        same keys and values to the same slots, so running both changes nothing): why it failed
+        when its logits differ beyond the model dtype's tolerance, else None."""
+        from engine.runner.fast_paths import relative_difference
+
+        graph.replay()
+        replayed = self._buffers["logits"][:b].clone()
+        self._forward(b, cache)
+        diff = relative_difference(replayed, self._buffers["logits"][:b])
+        tolerance = 1e-3 if self.runner.dtype == torch.float32 else 3e-2
+        self.checked = True
+        if self.paths is not None:
+            self.paths.state["cuda_graphs"] = "checked"
+        if diff <= tolerance:
+            return None
+        return f"a replay's logits differ from eager decoding's by {diff:.3g} of their largest (tolerance {tolerance:g})"

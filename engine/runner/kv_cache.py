@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from engine.runner.attention import PassMetadata
+from engine.runner.fast_paths import FastPaths
 
 
 class PagedLayer(CacheLayerMixin):
@@ -68,7 +69,11 @@ class PagedKVCache(Cache):
     block (`scratch_block`) that no row owns: the padding rows of a replayed decode graph write
     their keys and values there (engine.runner.cuda_graph)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 paths: FastPaths | None = None):
+        self.paths = paths
+        """The engine's fast paths (engine.runner.fast_paths): which attention kernels it trusts;
+        None (a pool built outside an engine) = every kernel without a check."""
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         """Index of the spare block (past the pool's blocks)."""

@@ -19,6 +19,7 @@ from engine.models.files import load_tokenizer, read_config, resolve_model_dir
 from engine.quantization.checkpoints import PackedFormat, checkpoint_config, stored_format
 from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.runner.attention import PassMetadata
+from engine.runner.fast_paths import FastPaths, check_quantized
 from engine.runner.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.loader import (check_architecture, load_model, load_model_quantized, model_head,
@@ -98,6 +99,9 @@ class ModelRunner:
         self.unquantized_nbytes: int = getattr(self, "unquantized_nbytes", self.weights_nbytes)
         """What the weights would hold unquantized, in the model's dtype (set by _quantize): the
         difference is what quantizing saved."""
+        self.paths = FastPaths(config.strict_kernels)  # which fast paths it checked, which fell back
+        if self.quantization:
+            check_quantized(self.model, self.quantization, self.dtype, self.paths)
         self.packed_linears: int = pack_linears(self.model, self.device, self.dtype)
         """Linear layers running on oneDNN-reordered weights (engine.runner.onednn; CPU float32),
         after weights_nbytes was counted: a reordered weight has no storage to count."""
@@ -110,7 +114,8 @@ class ModelRunner:
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.graphs = None
         """engine.runner.cuda_graph.DecodeGraphs once enabled (LLMEngine: CUDA, unless enforce_eager)."""
-        self.lora = LoRAModel(config, self.model, self.device, self.dtype, self.shard) if config.enable_lora else None
+        self.lora = (LoRAModel(config, self.model, self.device, self.dtype, self.shard, self.paths)
+                     if config.enable_lora else None)
         """Adapters read and installed in device slots (enable_lora), else None."""
 
     def _load_shard(self, config: EngineConfig, hf_config, checkpoint: str | None, packed):
@@ -211,7 +216,7 @@ class ModelRunner:
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A KV pool of this rank (its KV heads' share of every token)."""
-        return PagedKVCache(self.num_layers, num_blocks, block_size, self.kv_dtype)
+        return PagedKVCache(self.num_layers, num_blocks, block_size, self.kv_dtype, self.paths)
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A KV pool, created on every rank (`key` names it in their commands)."""

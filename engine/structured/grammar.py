@@ -102,8 +102,10 @@ class GrammarBackend:
     checks their finished outputs. `backend`: EngineConfig.structured_outputs_backend."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int],
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S, backend: str = "auto"):
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S, backend: str = "auto", paths=None):
         self.hf_tokenizer = hf_tokenizer
+        self.paths = paths
+        """The engine's fast paths (engine.runner.fast_paths): the device bitmask kernel is checked there."""
         self.vocab_size = vocab_size
         self.requested = backend
         route(None, backend)  # a bad name fails here
@@ -232,7 +234,7 @@ class GrammarBackend:
         mask = self._bitmask[:rows]
         for backend, idx in _by_backend(seqs, local):
             backend.fill([seqs[i].matcher.native for i in idx], mask, idx)
-        apply_bitmask(logits, mask, local, self.vocab_size)
+        apply_bitmask(logits, mask, local, self.vocab_size, self.paths)
 
     @staticmethod
     def accept(seqs: list[Sequence]) -> list[Sequence]:

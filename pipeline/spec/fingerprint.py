@@ -26,7 +26,7 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("sampling", "prompt_logprobs"), ("engine", "gguf_file"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
-                    "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras")
+                    "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras", "strict_kernels")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
 (tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
 TUNED_FIELDS = {k: EngineConfig.__dataclass_fields__[k].default

@@ -75,6 +75,8 @@ ENGINE_FACTS = ("device", "dtype", "quantization", "tensor_parallel_size", "weig
 RANK_FACTS = ("rank_weights_bytes", "rank_load_peak_bytes")
 """Added to those under tensor parallelism: each rank's weights' bytes and load peak, rank 0 first."""
 GGUF_FACTS = ("file", "digest", "tensor_types")
+FAST_PATHS_FACT = "fast_paths"
+"""Added where the engine took a fast path: each one's state (engine.runner.fast_paths): checked, or fell back and why."""
 """Added, as `gguf`, for a model read from a GGUF file: the file's name, its sha256 and its tensor types."""
 
 
@@ -90,6 +92,9 @@ def engine_facts(engine) -> dict | None:
     out = {k: facts.get(k) for k in ENGINE_FACTS} | {k: facts[k] for k in RANK_FACTS if k in facts}
     from engine.models import gguf_source
 
+    paths = getattr(runner, "paths", None)
+    if paths is not None and paths.state:  # fast paths checked, and those that fell back
+        out["fast_paths"] = paths.facts()
     source = gguf_source(getattr(runner, "model_dir", None) or "")
     if source is not None:
         out["gguf"] = {k: source.get(k) for k in GGUF_FACTS}

@@ -72,48 +72,9 @@ def test_each_bucket_runs_once_outside_a_capture_before_its_capture(monkeypatch)
     decode pass launches depends on its bucket's rows (split-KV or not, its segment count). So
     every bucket's pass runs once before its capture, not only the first bucket's: checked here
     with stand-ins for the CUDA graph calls, replays running the captured pass."""
-    import contextlib
+    from graph_stand_ins import stand_in_cuda_graphs
 
-    from engine.runner.cuda_graph import DecodeGraphs
-
-    state = {"graph": None, "warm": set(), "cold_in_capture": []}
-
-    class Graph:
-        def replay(self):
-            self.forward()
-
-        def pool(self):
-            return "pool"
-
-    @contextlib.contextmanager
-    def capturing(graph, pool=None):
-        state["graph"] = graph
-        try:
-            yield
-        finally:
-            state["graph"] = None
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    forward = DecodeGraphs._forward
-
-    def spy(self, b, cache):
-        if state["graph"] is not None:
-            if b not in state["warm"]:
-                state["cold_in_capture"].append(b)
-            state["graph"].forward = lambda: forward(self, b, cache)
-            return
-        state["warm"].add(b)
-        forward(self, b, cache)
-
-    monkeypatch.setattr(DecodeGraphs, "_forward", spy)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    state = stand_in_cuda_graphs(monkeypatch)
     config = EngineConfig(model="builtin:tiny", max_batch_tokens=1024, max_num_seqs=8, block_size=8,
                           scheduling="continuous")
     params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]

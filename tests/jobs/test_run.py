@@ -239,13 +239,16 @@ def test_cost_and_throughput_report(tmp_path):
     want = LLMEngine(EngineConfig(model=spec["model"], **{k: spec["engine"][k] for k in ("max_batch_tokens",
                                                                                          "max_num_seqs")}))
     memory = want.memory
+    report_engine = dict(engine)
+    paths = engine.pop("fast_paths", {})  # the C++ attention kernel's check, where the actor loaded it
+    assert all(state == "checked" for state in paths.values()) and set(paths) <= {"cpu_attention"}, paths
     assert engine == {"device": "cpu", "dtype": "float32", "quantization": None, "tensor_parallel_size": 1,
                       "weights_bytes": memory["weights_bytes"], "kv_blocks": memory["kv_blocks"],
                       "block_size": memory["block_size"], "kv_bytes": memory["kv_bytes"], "kv_cache_dtype": "auto",
                       "max_num_batched_tokens": want.max_num_batched_tokens, "shards": 3, "rows": 12,
                       "load_peak_bytes": engine["load_peak_bytes"]}
     assert 0 < engine["load_peak_bytes"] < 4 * memory["weights_bytes"]  # the actor's load, as it measured it
-    assert engine["weights_bytes"] > 0 and engine["kv_bytes"] > 0 and data["engines"] == [engine]
+    assert engine["weights_bytes"] > 0 and engine["kv_bytes"] > 0 and data["engines"] == [report_engine]
     assert re.search(r"cpu float32\s+-\s+[0-9.]+ MiB\s+\d+\s+[0-9.]+ MiB\s+\d+\s+3", shown.output), shown.output
     missing = CliRunner().invoke(main, ["report", str(tmp_path / "nothing")])
     assert missing.exit_code == 1 and "no batchinfer job" in missing.output

@@ -22,6 +22,9 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/K",
                      help="run only the I-th of K shares of the selected tests (0 <= I < K), dealt out in "
                           "collection order, so the cases of one parametrized test land in different shares")
+    parser.addoption("--engine-device", default="cpu", choices=("cpu", "cuda"),
+                     help="where tests/engine's tests not marked gpu build their engines (device auto): cpu, "
+                          "or cuda in float32 for the subset scripts/gpu_check.py runs on a GPU")
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the share is of what is left

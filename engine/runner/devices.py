@@ -3,6 +3,8 @@ names (`auto` included). The pipeline's spec resolves `auto` the same way for an
 record (pipeline.spec JobSpec.numerics)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.api.config import auto_dtype
@@ -10,8 +12,10 @@ from engine.api.errors import DeviceError
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto`: $BATCHINFER_DEVICE where set (e.g. cpu on a GPU machine), else CUDA where torch
+    sees a device, else CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get("BATCHINFER_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device {name!r} asked for, but torch sees no CUDA device")

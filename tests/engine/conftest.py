@@ -8,6 +8,24 @@ from parity import ForgivenRows
 from tiny_models import ARCHS, build_tiny_model  # noqa: E402  (tests/engine is on sys.path via rootdir)
 
 
+@pytest.fixture(autouse=True)
+def engine_device(request, monkeypatch):
+    """Every engine test pins its device: a test marked gpu says its own; every other one runs on
+    the CPU (its tolerances are float32's on CPU), even on a GPU machine, through device auto
+    ($BATCHINFER_DEVICE, inherited by rank processes). `--engine-device cuda` runs them on the
+    GPU in float32 instead (scripts/gpu_check.py's subset)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield None
+        return
+    device = request.config.getoption("--engine-device")
+    monkeypatch.setenv("BATCHINFER_DEVICE", device)
+    if device == "cuda":
+        from engine.runner import devices
+
+        monkeypatch.setattr(devices, "auto_dtype", lambda device_type: "float32")
+    yield device
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """(arch, eos_scale=None) -> directory of a tiny random model of that architecture (built once

@@ -67,7 +67,7 @@ def test_graphs_capture_every_bucket_as_rows_drain():
     runs = {}
     for eager in (False, True):
         llm = LLMEngine(EngineConfig(model="builtin:tiny", device="cuda", dtype="float32", max_num_seqs=32,
-                                     scheduling="continuous", enforce_eager=eager))
+                                     max_batch_tokens=8192, scheduling="continuous", enforce_eager=eager))
         runs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         if not eager:
             graphs = llm.runner.graphs

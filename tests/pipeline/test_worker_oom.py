@@ -64,8 +64,11 @@ def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_
 def test_an_allocation_failure_at_every_budget_fails_the_job_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "build_engine", engine_failing_above(0))
     batch = shard_batch(tmp_path)
-    with pytest.raises(FatalShardError, match=r"out of memory at engine.max_batch_tokens=512 after 4 halvings"):
+    with pytest.raises(FatalShardError, match=r"out of memory at engine.max_batch_tokens=512 after 4 halvings") as err:
         make_worker(tmp_path)(batch)
+    message = str(err.value)
+    assert "\n" not in message and "engine.max_num_seqs (now " in message
+    assert "engine.gpu_memory_utilization (now 0.9)" in message
     assert not (tmp_path / "out" / "data").exists()
 
 

@@ -151,9 +151,13 @@ class ShardWorker(EngineActor):
                 if not is_out_of_memory(exc):
                     raise
                 if len(budgets) == MAX_OOM_HALVINGS or self._pool_tokens() < 2:
+                    cfg = self.engine_config
                     raise FatalShardError(f"out of memory at engine.max_batch_tokens="
                                           f"{self._pool_tokens()} after {len(budgets)} halvings: "
-                                          f"{one_line(exc)}") from exc
+                                          f"{one_line(exc)}; halving the KV budget cannot help: lower "
+                                          f"engine.max_num_seqs (now {cfg.max_num_seqs}) or "
+                                          f"engine.gpu_memory_utilization (now {cfg.gpu_memory_utilization}), "
+                                          "or run on a larger device") from exc
                 budgets.append(self._halve_budget())
 
     def _pool_tokens(self) -> int:

@@ -22,8 +22,10 @@ from engine.models.files import resolve_model_dir
 from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
+from engine.multimodal import ImageInputs, media_policy
 from engine.core.paged import PagedPass
 from engine.pooling import EncoderRunner, Pooler
+from engine.runner.cuda_graph import graphs_supported
 from engine.runner.loader import import_apart
 from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
@@ -90,6 +92,10 @@ class LLMEngine(ReadingCalls):
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
         self._prompt_logprobs = False  # some request asked for prompt logprobs: passes check for them
+        self.images = (ImageInputs(self.runner.model_dir, self.runner.vision.family, self.runner.model.config,
+                                   media_policy(self.config), self.config.limit_mm_per_prompt,
+                                   self.config.trust_remote_code) if self.runner.vision is not None else None)
+        """A vision-language model's image prompts (engine.multimodal), else None."""
         self.paged = PagedPass(self.runner, self.cache, self.pool, self.max_num_batched_tokens, self.max_model_len,
                                self.adapters.stamp, self.scheduler.salt_of)
         """What pooling and choice scoring passes need: the pieces, never this engine."""
@@ -119,7 +125,7 @@ class LLMEngine(ReadingCalls):
         self.block_size = self.config.block_size
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
-        if self.runner.graphs_supported() and not self.config.enforce_eager and self.runner.head == "causal":
+        if graphs_supported(self.runner) and not self.config.enforce_eager and self.runner.head == "causal":
             self.runner.enable_graphs(self.config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
@@ -184,7 +190,10 @@ class LLMEngine(ReadingCalls):
         seq = Sequence(index=self._next_index, prompt_token_ids=[], params=params, seed=seed)
         self._next_index += 1
         try:
-            seq.prompt_token_ids = self._tokenize(prompt)
+            if isinstance(prompt, dict):
+                seq.prompt_token_ids, seq.images = self._image_prompt(prompt)
+            else:
+                seq.prompt_token_ids = self._tokenize(prompt)
             check_request(params, self.runner.vocab_size, self.config.max_logprobs)
             seq.bad_words = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
             self.adapters.attach(seq, lora_request)
@@ -198,7 +207,7 @@ class LLMEngine(ReadingCalls):
             return seq
         samples = [seq] + [Sequence(index=seq.index, prompt_token_ids=seq.prompt_token_ids, params=params,
                                     seed=sample_seed(seed, j), sample_index=j, lora=seq.lora, lora_salt=seq.lora_salt,
-                                    bad_words=seq.bad_words)
+                                    bad_words=seq.bad_words, images=seq.images)
                           for j in range(1, params.n)]
         if params.n > 1:
             seq.group = samples
@@ -220,6 +229,22 @@ class LLMEngine(ReadingCalls):
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _image_prompt(self, prompt: dict) -> tuple[list[int], list]:
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}} -> (token ids, the
+        images' spans); a ValueError in one line fails the row (a text-only model, a bad image)."""
+        data = prompt.get("multi_modal_data") or {}
+        if set(prompt) - {"prompt", "multi_modal_data", "add_special_tokens"} or not isinstance(prompt.get("prompt"), str) \
+                or not isinstance(data, dict) or set(data) - {"image"}:
+            raise TypeError(f"an image prompt is {{'prompt': text, 'multi_modal_data': {{'image': ...}}}}, got "
+                            f"keys {sorted(prompt)}")
+        sources = data.get("image")
+        sources = [] if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        if self.images is None:
+            if sources:
+                raise ValueError(f"{self.config.model} is a text-only model: it takes no images")
+            return self._tokenize(prompt["prompt"]), []
+        return self.images.prepare(prompt["prompt"], sources, prompt.get("add_special_tokens", True))
 
     def has_unfinished(self) -> bool:
         return self.cache is not None and (not self.batch.empty or self.scheduler.has_work())

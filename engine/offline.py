@@ -14,6 +14,7 @@ from engine.api.pooling import PoolingParams
 from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                                        ScoringRequestOutput, completion_outputs, prompt_logprobs_of)
 from engine.api.sampling_params import SamplingParams
+from engine.multimodal import image_parts
 
 CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -59,13 +60,25 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered by
-        the tokenizer's chat template (or `chat_template`), then generated."""
+        the tokenizer's chat template (or `chat_template`), then generated. Content parts
+        {"type": "image_url", "image_url": {"url": ...}} and {"type": "image_pil", "image_pil": ...}
+        put images in a vision-language model's prompt (its processor's template renders them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        if chat_template is None and not getattr(tok, "chat_template", None):
+        images = getattr(self.llm_engine, "images", None)
+        if images is None and chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: pass chat_template=")
         texts, ids = [], []
         for conversation in conversations:
+            converted, sources = image_parts(list(conversation))
+            if images is not None or sources:  # a vision-language model's processor renders images
+                text = "" if images is None else images.chat_text(
+                    converted, chat_template=chat_template, add_generation_prompt=add_generation_prompt and not
+                    continue_final_message, continue_final_message=continue_final_message, tools=tools,
+                    **(chat_template_kwargs or {}))
+                texts.append(text)
+                ids.append({"prompt": text, "multi_modal_data": {"image": sources}, "add_special_tokens": False})
+                continue
             text = tok.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt and not continue_final_message,
                                            continue_final_message=continue_final_message, tools=tools,
@@ -90,8 +103,13 @@ class LLM:
         for p in _as_list(prompts):
             if isinstance(p, dict):
                 unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
-                if unknown or "multi_modal_data" in p:
-                    raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got {sorted(p)}")
+                if unknown or ("multi_modal_data" in p and "prompt_token_ids" in p):
+                    raise ValueError(f"a prompt dict takes 'prompt' (with 'multi_modal_data' for images) or "
+                                     f"'prompt_token_ids', got {sorted(p)}")
+                if "multi_modal_data" in p:  # the engine loads its images and fails that row alone
+                    texts.append(p.get("prompt"))
+                    ids.append({"prompt": p.get("prompt"), "multi_modal_data": p["multi_modal_data"]})
+                    continue
                 if "prompt_token_ids" in p:
                     texts.append(p.get("prompt"))
                     ids.append(list(p["prompt_token_ids"]))

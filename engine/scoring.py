@@ -120,7 +120,7 @@ def _prompts(paged: PagedPass, seqs: list[Sequence]) -> torch.Tensor:
     longer than a pass, still) waits for it, so shared prefixes are computed once."""
     pool, bs = paged.pool, paged.block_size
     for seq in seqs:
-        seq.block_names = chain_hashes(seq.prompt_token_ids, bs, paged.salt_of(seq), seq.num_prompt_tokens - 1)
+        seq.block_names = chain_hashes(seq.named_tokens, bs, paged.salt_of(seq), seq.num_prompt_tokens - 1)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     pending = list(range(len(seqs)))
     while pending:
@@ -163,7 +163,7 @@ def _prompts(paged: PagedPass, seqs: list[Sequence]) -> torch.Tensor:
 def _name_full_blocks(paged: PagedPass, seq: Sequence) -> None:
     """Names the row's computed full prompt blocks, so later rows find them cached."""
     full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // paged.block_size
-    names = chain_hashes(seq.prompt_token_ids, paged.block_size, paged.salt_of(seq), full * paged.block_size,
+    names = chain_hashes(seq.named_tokens, paged.block_size, paged.salt_of(seq), full * paged.block_size,
                          seq.block_names)
     for i in range(min(full, len(seq.block_ids))):
         paged.pool.name(seq.block_ids[i], names[i])

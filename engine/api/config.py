@@ -97,6 +97,14 @@ class EngineConfig:
     """Most alternatives a request's logprobs may ask for per token (vLLM's name)."""
     structured_outputs_backend: str = "auto"
     """Structured outputs: auto (per JSON Schema, the backend that enforces the most of its keywords), xgrammar or guidance (llguidance); every output is checked after generation either way (vLLM's names)."""
+    limit_mm_per_prompt: dict | None = None
+    """Vision-language models: most images one prompt may carry, {image: N}; null = {image: 4}; a row with more fails alone (vLLM's name)."""
+    allowed_local_media_path: str | None = None
+    """Vision-language models: a directory under which images may be read from local paths and file:// URLs; null = none may (vLLM's name)."""
+    allowed_media_domains: list[str] | None = None
+    """Vision-language models: hosts images may be downloaded from over http(s); null = none (vLLM's name)."""
+    max_image_pixels: int = 36_000_000
+    """Vision-language models: the largest image (width x height, read from its header before decoding); a larger one fails its row."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
@@ -104,6 +112,11 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_image_pixels", self.max_image_pixels)
+        if self.limit_mm_per_prompt is not None and (
+                not isinstance(self.limit_mm_per_prompt, dict) or set(self.limit_mm_per_prompt) - {"image"}
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.limit_mm_per_prompt.values())):
+            raise ValueError(f"limit_mm_per_prompt must be {{image: N}} with N >= 0, got {self.limit_mm_per_prompt!r}")
         _positive("block_size", self.block_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, (int, float))

@@ -293,7 +293,7 @@ class Scheduler:
     def _names(self, seq: Sequence, limit: int) -> list[bytes]:
         """Chain names of the full blocks among the row's first `limit` tokens (memoised)."""
         if len(seq.block_names) < limit // self.pool.block_size:
-            seq.block_names = chain_hashes(seq.token_ids, self.pool.block_size, self.salt_of(seq), limit,
+            seq.block_names = chain_hashes(seq.named_tokens, self.pool.block_size, self.salt_of(seq), limit,
                                            seq.block_names)
         return seq.block_names[: limit // self.pool.block_size]
 

@@ -87,6 +87,9 @@ class Sequence:
     """The device slot of its adapter while it runs (engine.core.lora_slots)."""
     bad_words: list[tuple[int, ...]] = field(default_factory=list)
     """The token sequences its params.bad_words ban (engine.sample.token_options)."""
+    images: list = field(default_factory=list)
+    """Its prompt's images (engine.multimodal.ImageSpan: placeholder positions, digest, pixels), in
+    order; empty for a text prompt."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """On sample 0 with params.prompt_logprobs: per prompt token so far, {id: logprob} (None first)."""
     prompt_logprob_ranks: list[int | None] | None = None
@@ -106,6 +109,17 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """Prompt and output so far: what the row's positions hold."""
         return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def named_tokens(self) -> list:
+        """What its prefix-cache names are taken over: token_ids, with each image's placeholder
+        positions standing for that image's digest (two images never share a block name)."""
+        if not self.images:
+            return self.token_ids
+        tokens: list = list(self.token_ids)
+        for image in self.images:
+            tokens[image.start:image.start + image.length] = [f"img:{image.digest}"] * image.length
+        return tokens
 
     def tokens_at(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""

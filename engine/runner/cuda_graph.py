@@ -40,6 +40,15 @@ def bucket_sizes(limit: int) -> list[int]:
     return [b for b in sizes if b < limit] + [limit]
 
 
+def graphs_supported(runner) -> bool:
+    """Whether decode graphs can serve a ModelRunner: CUDA, one rank, no row-wise LongRoPE, and
+    no dynamic rotary scaling (transformers compares the pass's largest position with
+    a tensor on the host each forward, which no capture allows)."""
+    dynamic = any("dynamic" in str(getattr(m, "rope_type", "")) for m in runner.model.modules())
+    return (runner.device.type == "cuda" and runner.tensor_parallel_size == 1 and runner.longrope is None
+            and not dynamic)
+
+
 class DecodeGraphs:
     """Captured decode forwards of one ModelRunner over one KV pool, keyed by row bucket."""
 
@@ -75,6 +84,7 @@ class DecodeGraphs:
         row sampling, no LongRoPE factors, within the buffers."""
         n = len(plan.tokens)
         return (not self.failed and not plan.spans and plan.small is None and plan.long_tokens is None
+                and plan.images is None
                 and plan.keep is not None and len(plan.keep) == n == plan.tables.shape[0]
                 and 0 < n <= self.max_rows and plan.keep[-1] == n - 1
                 and plan.tables.shape[1] <= self.max_blocks)

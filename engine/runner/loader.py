@@ -55,17 +55,23 @@ def model_head(hf_config) -> str:
 
 def auto_class(head: str):
     """The transformers auto class that builds a model with `head` (model_head's kinds)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              AutoModelForSequenceClassification)
 
-    return {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel}[head]
+    return {"causal": AutoModelForCausalLM, "classifier": AutoModelForSequenceClassification, "base": AutoModel,
+            "vision": AutoModelForImageTextToText}[head]
 
 
 def load_model(config: EngineConfig, model_dir: Path, dtype, device, checkpoint_quantization: str | None = None,
                head: str = "causal"):
-    """The decoder (with its LM head, classification head, or none: `head`) in eval mode on
+    """The decoder (with its LM head, classification head, or none: `head`; "vision": a
+    vision-language model, its vision tower beside the decoder) in eval mode on
     `device`, with the engine's paged attention. A compressed-tensors checkpoint is dequantized
     as it loads (the engine requantizes it)."""
-    kwargs = {**config.extra, "attn_implementation": prepare_load(config, model_dir)}
+    attention = prepare_load(config, model_dir)
+    # a vision-language model's vision tower attends over its own patches (SDPA), its decoder over the pool
+    kwargs = {**config.extra, "attn_implementation": attention if head != "vision" else
+              {"text_config": attention, "vision_config": "sdpa"}}
     if checkpoint_quantization and checkpoint_quantization.startswith("compressed-tensors"):
         try:
             from transformers.utils.quantization_config import CompressedTensorsConfig

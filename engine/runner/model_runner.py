@@ -16,6 +16,7 @@ from engine.distributed import tensor_parallel
 from engine.distributed.ranks import RankGroup, join_as_rank, rank_device
 from engine.lora.model import LoRAModel
 from engine.models.files import load_tokenizer, read_config, resolve_model_dir
+from engine.multimodal import vision_features
 from engine.quantization.checkpoints import PackedFormat, checkpoint_config, stored_format
 from engine.quantization.methods import check_method, checkpoint_method, quantize_model, resolve_method, weights_nbytes
 from engine.runner.attention import PassMetadata
@@ -56,6 +57,8 @@ class ModelRunner:
         try:
             hf_config = read_config(config, self.model_dir)
             checkpoint, loads_as = checkpoint_method(hf_config)
+            self.vision = vision_features(hf_config, config)
+            """A vision-language model's image embeddings (engine.multimodal), else None."""
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         self.checkpoint_quantization = checkpoint
@@ -167,7 +170,8 @@ class ModelRunner:
         self.model = self._streamed_or_whole(
             lambda: load_model_quantized(config, self.model_dir, self.dtype, self.device, self.quantization,
                                          self.head, packed),
-            lambda: load_model(config, self.model_dir, self.dtype, self.device, checkpoint, self.head),
+            lambda: load_model(config, self.model_dir, self.dtype, self.device, checkpoint,
+                               "vision" if self.vision is not None else self.head),
             checkpoint, must_stream=isinstance(packed, PackedFormat))  # 4-bit layers: nothing else reads them
 
     def _streamed_or_whole(self, stream, whole, checkpoint: str | None, must_stream: bool):
@@ -296,7 +300,7 @@ class ModelRunner:
             self.lora.context.begin(plan.lora_slots)
         try:
             logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
-                                       torch.from_numpy(plan.positions[None]).to(self.device), wanted)
+                                       torch.from_numpy(plan.positions[None]).to(self.device), wanted, plan.images)
         finally:
             if self.lora is not None:
                 self.lora.context.end()
@@ -331,12 +335,15 @@ class ModelRunner:
         return out.last_hidden_state[0].float()
 
     def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
-                     position_ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+                     position_ids: torch.Tensor, keep: torch.Tensor | None = None, images=None) -> torch.Tensor:
         """The model's forward over one packed pass: input_ids, position_ids (1, T) on the
         device. Returns its logits (k, V) in the model's dtype: at token indices `keep` where the
-        model takes logits_to_keep, else at every token."""
+        model takes logits_to_keep, else at every token. `images` (PassPlan.images): the image
+        placeholders' embeddings come from the vision tower (engine.multimodal.VisionFeatures)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
                   "position_ids": position_ids}
+        if images:
+            kwargs["inputs_embeds"], input_ids = self.vision.embed(self.model, input_ids, images), None
         if keep is not None and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep
         cache.meta = meta
@@ -352,13 +359,6 @@ class ModelRunner:
         from engine.runner.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_rows, max_blocks, capture=capture)
-
-    def graphs_supported(self) -> bool:
-        """Whether decode graphs can serve this runner: CUDA, one rank, no row-wise LongRoPE, and
-        no dynamic rotary scaling (transformers compares the pass's largest position with a
-        tensor on the host each forward, which no capture allows)."""
-        dynamic = any("dynamic" in str(getattr(m, "rope_type", "")) for m in self.model.modules())
-        return self.device.type == "cuda" and self.tensor_parallel_size == 1 and self.longrope is None and not dynamic
 
 
 def rank_main(config: EngineConfig, rank: int, port: int, conn, parent: int, threads: int) -> None:

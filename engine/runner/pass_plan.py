@@ -1,5 +1,5 @@
 """One forward pass's plan as host arrays (PassPlan): pool slots, block tables, positions, the
-tokens whose logits are kept, LongRoPE flags and LoRA slots. Rank 0 builds it and sends it to
+tokens whose logits are kept, LongRoPE flags, LoRA slots and image placeholders. Rank 0 builds it and sends it to
 every other rank."""
 from __future__ import annotations
 
@@ -45,11 +45,14 @@ def build_plan(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | 
     lora_slots = None
     if any(c.seq.lora_slot is not None for c in chunks):
         lora_slots = np.repeat([-1 if c.seq.lora_slot is None else c.seq.lora_slot for c in chunks], counts)
+    images = [(int(first[r] + lo - c.start), hi - lo, lo - span.start, span)
+              for r, c in enumerate(chunks) for span in c.seq.images
+              for lo, hi in [(max(c.start, span.start), min(c.start + c.count, span.end))] if lo < hi]
     return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
                     max_ctx=int((starts + counts).max()),
                     small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
                     tokens=tokens, positions=positions, keep=None if all_logits else keep,
-                    long_tokens=long_tokens, lora_slots=lora_slots)
+                    long_tokens=long_tokens, lora_slots=lora_slots, images=images or None)
 
 
 @dataclass
@@ -80,3 +83,6 @@ class PassPlan:
     """(T,) bool: tokens past LongRoPE's original length (None: none, or no LongRoPE)."""
     lora_slots: np.ndarray | None = None
     """(T,) int: each token's LoRA adapter slot, -1 for the base model (None: no adapter in the pass)."""
+    images: list | None = None
+    """(pass token index, count, offset in the image's embeddings, ImageSpan) of each run of image
+    placeholder tokens the pass computes (None: none)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.runner.cuda_graph import bucket_sizes
+from engine.runner.cuda_graph import bucket_sizes, graphs_supported
 
 PROMPTS = ["Hello there", "The quick brown fox", "abc", "A longer prompt that spans a few blocks of the pool",
            "x", "Once upon a time"]
@@ -105,4 +105,4 @@ def test_dynamic_rotary_scaling_keeps_decode_eager(tmp_path, monkeypatch, tiny_m
     plain = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")))).runner
     for runner in (dynamic, plain):
         monkeypatch.setattr(runner, "device", torch.device("cuda"))  # only the check runs: nothing is allocated
-    assert not dynamic.graphs_supported() and plain.graphs_supported()
+    assert not graphs_supported(dynamic) and graphs_supported(plain)

@@ -1,0 +1,133 @@
+"""A prompt with images, as users already write it, turned into what the engine runs: token ids
+whose image positions hold the model's placeholder token (its processor expands each image to
+as many as its vision tower gives embeddings), and one ImageSpan per image.
+
+Accepted: vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}} (the text carries
+the model's image token where each image goes), and chat messages whose content parts are
+{"type": "image_url", "image_url": {"url": ...}} or {"type": "image_pil", "image_pil": PIL image}
+(OpenAI's and vLLM's shapes), rendered by the processor's chat template. Images load through
+engine.multimodal.media's policy; more than `limit_mm_per_prompt["image"]` fail the row.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.multimodal.families import Family
+from engine.multimodal.media import MediaPolicy, load_image
+
+DEFAULT_LIMIT = {"image": 4}
+"""Images a prompt may carry (vLLM's limit_mm_per_prompt)."""
+
+
+@dataclass
+class ImageSpan:
+    """One image of a row: where its placeholder tokens sit in the prompt, what it is."""
+
+    start: int
+    """Position of its first placeholder token."""
+    length: int
+    """Placeholder tokens (= embeddings its vision tower gives)."""
+    digest: str
+    """sha256 of its pixel values as the processor made them: names its positions in the prefix
+    cache (the same image under the same prefix shares blocks; two images never do)."""
+    pixels: torch.Tensor | None
+    """(3, H, W) pixel values, held until the row finishes (a preempted row recomputes from them)."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def image_parts(messages: list[dict]) -> tuple[list[dict], list]:
+    """Chat messages -> (the messages a processor's chat template takes, every image source in
+    order). image_url and image_pil parts become {"type": "image"}; a text-only conversation is
+    returned as it is."""
+    images, out = [], []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+                parts.append({"type": "image"})
+            elif kind == "image_pil":
+                images.append(part.get("image_pil"))
+                parts.append({"type": "image"})
+            elif kind == "image":
+                images.append(part.get("image"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
+class ImageInputs:
+    """One vision-language engine's image prompts: its processor, family and limits."""
+
+    def __init__(self, model_dir, family: Family, hf_config, policy: MediaPolicy, limit: dict | None,
+                 trust_remote_code: bool = False):
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        self.family = family
+        self.image_token_id = family.image_token_id(hf_config)
+        self.policy = policy
+        self.limit = int((limit or DEFAULT_LIMIT).get("image", DEFAULT_LIMIT["image"]))
+
+    def chat_text(self, messages: list[dict], **template_kwargs) -> str:
+        """A conversation (its image parts already {"type": "image"}: image_parts) rendered by the
+        processor's chat template."""
+        return self.processor.apply_chat_template(messages, tokenize=False, **template_kwargs)
+
+    def prepare(self, text: str, sources: list, add_special_tokens: bool = True) -> tuple[list[int], list[ImageSpan]]:
+        """Token ids and image spans of `text` with `sources` (its images, in order): ValueError in
+        one line for a row that cannot run (an image that does not load, too many, placeholders
+        that do not match). `add_special_tokens=False` for a text a chat template rendered."""
+        if len(sources) > self.limit:
+            raise ValueError(f"{len(sources)} images in one prompt, over engine.limit_mm_per_prompt's "
+                             f"{self.limit}")
+        images = [load_image(s, self.policy) for s in sources]
+        try:
+            batch = self.processor(text=text, images=images or None, return_tensors="pt",
+                                   add_special_tokens=add_special_tokens)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise ValueError(f"the processor refused the prompt: {str(exc).splitlines()[0]}") from None
+        ids = batch["input_ids"][0].tolist()
+        runs = placeholder_runs(ids, self.image_token_id)
+        pixels = batch.get("pixel_values")
+        count = 0 if pixels is None else pixels.shape[0]
+        if len(runs) != count:
+            raise ValueError(f"the prompt has {len(runs)} image placeholders for {count} images")
+        spans = []
+        for (start, length), image in zip(runs, pixels if pixels is not None else []):
+            image = image.contiguous()
+            digest = hashlib.sha256(image.numpy().tobytes()).hexdigest()
+            spans.append(ImageSpan(start, length, digest, image))
+        return ids, spans
+
+
+def placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in ids."""
+    runs, start = [], None
+    for i, t in enumerate(ids + [None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def media_policy(config) -> MediaPolicy:
+    """Where an engine's images may come from and how large they may be (EngineConfig's fields)."""
+    return MediaPolicy(config.allowed_local_media_path, tuple(config.allowed_media_domains or ()),
+                       config.max_image_pixels)

@@ -22,7 +22,7 @@ from engine.models.files import resolve_model_dir
 from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
-from engine.multimodal import ImageInputs, media_policy
+from engine.multimodal import ImageInputs, image_parts, media_policy
 from engine.core.paged import PagedPass
 from engine.pooling import EncoderRunner, Pooler
 from engine.runner.cuda_graph import graphs_supported
@@ -229,6 +229,18 @@ class LLMEngine(ReadingCalls):
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def encode_chat(self, messages: list[dict]) -> list[int] | dict:
+        """A conversation as add_request takes it: the chat template's token ids, or, where its
+        content parts hold images (image_url, image_pil, image), an image prompt rendered by the
+        processor's template (engine.multimodal); a ValueError names what cannot be rendered."""
+        converted, sources = image_parts(messages)
+        if self.images is None and not sources:
+            return self.tokenizer.encode_chat(messages)
+        if self.images is None:
+            raise ValueError(f"{self.config.model} is a text-only model: it takes no images")
+        text = self.images.chat_text(converted, add_generation_prompt=True)
+        return {"prompt": text, "multi_modal_data": {"image": sources}, "add_special_tokens": False}
 
     def _image_prompt(self, prompt: dict) -> tuple[list[int], list]:
         """vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}} -> (token ids, the

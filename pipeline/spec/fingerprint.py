@@ -25,7 +25,7 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("sampling", "spaces_between_special_tokens"), ("engine", "max_logprobs"), ("input", "sampling_column"),
                 ("sampling", "prompt_logprobs"), ("engine", "gguf_file"), ("engine", "limit_mm_per_prompt"),
                 ("engine", "allowed_local_media_path"), ("engine", "allowed_media_domains"),
-                ("engine", "max_image_pixels"))
+                ("engine", "max_image_pixels"), ("input", "image_column"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
                     "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras", "strict_kernels")

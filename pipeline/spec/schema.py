@@ -21,6 +21,7 @@ from pipeline.spec.columns import check_metrics, output_columns
 from pipeline.spec.fingerprint import fingerprint
 from pipeline.spec.lora import LoRASpec, check_lora
 from pipeline.spec.pooling import EmbedSpec, ScoreSpec, check_pooling
+from pipeline.spec.images import check_images
 from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema
 
 
@@ -85,6 +86,10 @@ class InputSpec(_Section):
     messages_column: str | None = Field(
         None, description="Column holding chat messages [{role, content}], rendered with the model's chat "
         "template (overrides prompt_column and template).")
+    image_column: str | None = Field(
+        None, description="Vision-language models: a column of images (bytes, a path or URL string, Hugging Face "
+        "datasets' {bytes, path} struct, or a list of them); each row becomes one user message, its images "
+        "first, then the prompt text. Not passed to the output unless input.columns names it.")
     system_prompt: str | None = Field(
         None, description="A system message put before every row's messages; the row's prompt then becomes a "
         "user message rendered with the chat template.")
@@ -214,6 +219,7 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _task_checks(self):
         check_task(self)
+        check_images(self)
         check_gpus(self)
         return self
 

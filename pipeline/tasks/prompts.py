@@ -24,12 +24,14 @@ class PromptBuilder:
 
     def __init__(self, prompt_column: str | None = "prompt", template: str | None = None,
                  messages_column: str | None = None, system_prompt: str | None = None,
-                 few_shot: list[dict] | tuple = ()):
+                 few_shot: list[dict] | tuple = (), image_column: str | None = None):
         if template is None and not prompt_column and not messages_column:
             raise TemplateError("set input.prompt_column, input.template or input.messages_column")
         self.prompt_column = prompt_column
         self.template = template
         self.messages_column = messages_column
+        self.image_column = image_column
+        """A column of images: each row becomes one user message, its images first (chat)."""
         self.fields = parse_template(template) if template is not None and not messages_column else []
         self.preamble = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
         for shot in few_shot:
@@ -39,19 +41,21 @@ class PromptBuilder:
     @classmethod
     def from_spec(cls, input_spec: InputSpec) -> PromptBuilder:
         return cls(input_spec.prompt_column, input_spec.template, input_spec.messages_column,
-                   input_spec.system_prompt, [shot.model_dump() for shot in input_spec.few_shot])
+                   input_spec.system_prompt, [shot.model_dump() for shot in input_spec.few_shot],
+                   input_spec.image_column)
 
     @property
     def chat(self) -> bool:
         """Whether prompts are chat messages (rendered with the model's chat template)."""
-        return bool(self.messages_column or self.preamble)
+        return bool(self.messages_column or self.preamble or self.image_column)
 
     @property
     def columns(self) -> list[str]:
         """Input columns the prompts are built from."""
         if self.messages_column:
             return [self.messages_column]
-        return self.fields if self.template is not None else [self.prompt_column]
+        text = self.fields if self.template is not None else [self.prompt_column]
+        return text + ([self.image_column] if self.image_column else [])
 
     def build(self, row: dict) -> tuple[str | list[dict] | None, str | None]:
         """(prompt, None) or (None, error message); a chat prompt is a list of messages."""
@@ -68,6 +72,13 @@ class PromptBuilder:
             return None, f"row has no column {self.prompt_column!r}"
         else:
             prompt, error = check_prompt(row[self.prompt_column])
+        if prompt is not None and self.image_column:
+            value = row.get(self.image_column)
+            if value is None:
+                return None, f"row has no image in column {self.image_column!r}"
+            pictures = value if isinstance(value, (list, tuple)) else [value]
+            parts = [{"type": "image", "image": picture} for picture in pictures]
+            return self.preamble + [{"role": "user", "content": parts + [{"type": "text", "text": prompt}]}], None
         if prompt is not None and self.preamble:
             return self.preamble + [{"role": "user", "content": prompt}], None
         return prompt, error

@@ -44,11 +44,13 @@ def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[
     if keep is not None:  # eval needs its reference and group columns in the committed parts
         keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
     produced = output_columns(spec)
+    # images stay in the input unless input.columns names them
+    hidden = {spec.input.image_column} if keep is None and spec.input.image_column else set()
     n = spec.sampling.n
     out = []
     for row, row_id, result in zip(rows, ids, results):
         passed = {name: value for name, value in row.items()
-                  if (keep is None or name in keep) and name not in produced and name != "id"}
+                  if (keep is None or name in keep) and name not in produced and name != "id" and name not in hidden}
         # n > 1: one row per sample, the input row's id and columns on each, its index after the id
         for sample in result.sample_results(n) if n > 1 else [result]:
             record = {"id": row_id, **({SAMPLE_INDEX: sample.sample_index} if n > 1 else {}), **passed}

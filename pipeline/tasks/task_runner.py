@@ -180,8 +180,8 @@ class TaskRunner:
             try:
                 if self.sampling_column:
                     overrides = row_sampling(row.get(self.sampling_column), self.spec.sampling)
-                if isinstance(prompt, list):  # chat messages
-                    prompt = self.engine.tokenizer.encode_chat(prompt)
+                if isinstance(prompt, list):  # chat messages (with images: an image prompt for the engine)
+                    prompt = encode_chat(self.engine, prompt)
                 sp = SamplingParams(**{"seed": row_seed(self.base_seed, ids[i]), **self.sampling, **overrides})
             except (ValueError, TypeError) as exc:
                 errors[i] = str(exc)
@@ -231,7 +231,7 @@ class TaskRunner:
                 if prompt is None:
                     continue
                 if isinstance(prompt, list):  # chat messages: a pooling model has no chat turn to answer
-                    prompt = self.engine.tokenizer.encode_chat(prompt)
+                    prompt = encode_chat(self.engine, prompt)
                 inputs.append(prompt)
             todo.append(i)
         if not todo:
@@ -390,3 +390,10 @@ def _softmax(logprobs: list[float]) -> list[float]:
     exp = [math.exp(x - top) for x in logprobs]
     total = sum(exp)
     return [e / total for e in exp]
+
+
+def encode_chat(engine, messages: list[dict]):
+    """Token ids of chat messages, or a vision-language engine's image prompt where they hold
+    images (LLMEngine.encode_chat); the echo engine renders text only."""
+    encode = getattr(engine, "encode_chat", None)
+    return encode(messages) if encode is not None else engine.tokenizer.encode_chat(messages)

@@ -35,9 +35,12 @@ def preflight(spec: JobSpec, say: Callable[[str], None] | None = None) -> list[t
     absent = [c for c in needed if c not in columns]
     if columns and absent:
         raise JobError(f"input column {absent[0]!r} not found in {name} (columns: {', '.join(columns)})")
+    if inp.image_column:
+        check_image_sample(spec, storage, path, name, fmt)
     # OpenAI Batch lines each say what they ask (a line the model cannot serve fails alone)
     tokenizer = check_model(spec.engine_config(), None if spec.input.format == "openai_batch" else spec.task)
-    if builder.chat and not getattr(tokenizer, "chat_template", None):
+    # (rows with images are rendered by the model's processor, whose chat template the tokenizer may not hold)
+    if builder.chat and not inp.image_column and not getattr(tokenizer, "chat_template", None):
         raise JobError(f"model {spec.model}: its tokenizer has no chat template, so input.messages_column, "
                        "system_prompt and few_shot cannot be rendered (use a plain prompt, or a chat model)")
     for line in check_constraints(spec, tokenizer):
@@ -92,6 +95,32 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
     if spec.task in ("eval", "classify"):
         needed += [c for c in (spec.eval.reference_column, spec.eval.group_column) if c]
     return needed
+
+
+def check_image_sample(spec: JobSpec, storage: Storage, path: str, name: str, fmt: str) -> None:
+    """The first row's image decodes under the engine's media policy (a JobError naming the file
+    otherwise: a column of something else fails here, not row by row)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from engine.multimodal import load_image, media_policy
+
+    column = spec.input.image_column
+    with storage.fs.open(path, "rb") as f:
+        if fmt == "parquet":
+            values = pq.ParquetFile(f).read_row_group(0, columns=[column]).column(0)
+            value = values[0].as_py() if len(values) else None
+        else:
+            line = next((raw for raw in f if raw.strip()), b"{}")
+            value = json.loads(line).get(column)
+    if value is None:
+        return
+    try:
+        for source in value if isinstance(value, list) else [value]:
+            load_image(source, media_policy(spec.engine_config()))
+    except ValueError as exc:
+        raise JobError(f"input.image_column {column!r}: the first row of {name} holds no readable image: {exc}") from None
 
 
 def check_model(config: EngineConfig, task: str | None = "generate"):

@@ -1,0 +1,98 @@
+"""A job whose rows carry images (input.image_column) on a tiny LLaVA: a Parquet file with a Hugging
+Face datasets-style image column ({bytes, path} structs), a crash mid-job and a resume, every id
+exactly once with the tokens the engine gives on the same chat messages; the image column stays
+out of the output; a bad image fails its row alone."""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from chaos.harness import hook_env  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from helpers import read_output  # noqa: E402
+from pipeline.errors import JobError, SpecError  # noqa: E402
+from pipeline.run import run_job  # noqa: E402
+from pipeline.spec import Job, validate  # noqa: E402
+from vlm_models import build_llava, images, png_bytes  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_local")  # the session's one local Ray (run_job would start its own)
+
+QUESTIONS = ["What is in the picture?", "Describe it.", "What colour is it?", "Read the text.", "How many shapes?"]
+
+
+def image_rows() -> list[dict]:
+    pictures = images()
+    rows = [{"row_id": f"r{i}", "question": QUESTIONS[i % 5],
+             "image": {"bytes": png_bytes(pictures[i % 5]), "path": f"img{i % 5}.png"}} for i in range(10)]
+    rows[7]["image"] = {"bytes": b"not an image at all", "path": "broken.png"}
+    return rows
+
+
+def test_an_image_job_resumes_after_a_crash_with_every_row_once(tmp_path, monkeypatch):
+    model = build_llava(tmp_path / "llava")
+    rows = image_rows()
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({"row_id": [r["row_id"] for r in rows], "question": [r["question"] for r in rows],
+                             "image": pa.array([r["image"] for r in rows], struct)}), tmp_path / "in.parquet")
+    spec = {"model": str(model), "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "question",
+                                           "image_column": "image", "id_column": "row_id"},
+            "output": {"path": str(tmp_path / "out")}, "engine": {"dtype": "float32", "max_num_seqs": 4},
+            "sampling": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            "workers": {"rows_per_batch": 3, "num": 1}, "max_error_rate": 0.2}
+    job = Job.of(validate(spec))
+    for key, value in hook_env(f"shard#2:raise:{tmp_path / 'fired'}").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(JobError, match="a worker failed"):
+        run_job(job, progress=lambda msg: None)
+    result = run_job(job, progress=lambda msg: None)
+    assert result.status == "complete" and result.rows == 10 and 0 < result.rows_this_run < 10
+    out = read_output(tmp_path / "out")
+    assert Counter(out["id"].to_pylist()) == Counter(f"r{i}" for i in range(10))
+    assert "image" not in out.column_names and "question" in out.column_names
+    got = {r["id"]: r for r in out.to_pylist()}
+    assert got["r7"]["finish_reason"] == "error" and "is not an image PIL can read" in got["r7"]["error"]
+    llm = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=4))
+    good = [r for r in rows if r["row_id"] != "r7"]
+    prompts = [llm.encode_chat([{"role": "user", "content": [{"type": "image", "image": r["image"]},
+                                                             {"type": "text", "text": r["question"]}]}])
+               for r in good]
+    want = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for r, w in zip(good, want):
+        assert got[r["row_id"]]["error"] is None and got[r["row_id"]]["generated_text"] == w.text
+
+
+def test_image_columns_are_refused_where_they_cannot_run(tmp_path):
+    base = {"model": "builtin:tiny", "input": {"path": str(tmp_path / "in.jsonl"), "image_column": "image"},
+            "output": {"path": str(tmp_path / "out")}}
+    with pytest.raises(SpecError, match="input.image_column puts a row's images before its prompt text"):
+        validate({**base, "input": {**base["input"], "messages_column": "messages"}})
+    with pytest.raises(SpecError, match="images run in generate and eval jobs .* not task label with choice scoring"):
+        validate({**base, "task": "label", "label": {"choices": ["yes", "no"]}})
+    assert validate(base).input.image_column == "image"
+
+
+def test_validate_decodes_the_first_rows_image(tmp_path):
+    from pipeline.run.checks.preflight import preflight
+
+    model = build_llava(tmp_path / "llava")
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    for name, first in (("good", png_bytes(images()[0])), ("bad", b"GIF89a but not really")):
+        pq.write_table(pa.table({"question": ["What?"], "image": pa.array([{"bytes": first, "path": "x"}], struct)}),
+                       tmp_path / f"{name}.parquet")
+    spec = {"model": str(model), "input": {"path": str(tmp_path / "good.parquet"), "prompt_column": "question",
+                                           "image_column": "image"}, "output": {"path": str(tmp_path / "out")}}
+    assert preflight(validate(spec))
+    spec["input"]["path"] = str(tmp_path / "bad.parquet")
+    with pytest.raises(JobError, match=r"input.image_column 'image': the first row of bad.parquet holds no readable "
+                                       r"image: .* does not decode|is not an image"):
+        preflight(validate(spec))
+    spec["input"]["image_column"] = "picture"
+    with pytest.raises(JobError, match="input column 'picture' not found"):
+        preflight(validate(spec))

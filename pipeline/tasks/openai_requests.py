@@ -151,7 +151,8 @@ def _parse_line(obj: dict, req: BatchRequest) -> None:
 
 
 def parse_messages(messages, where: str = "body.messages") -> list[dict]:
-    """Chat messages in OpenAI format -> [{role, content: str}]; ValueError naming the problem."""
+    """Chat messages in OpenAI format -> [{role, content: str, or its text and image_url parts}];
+    ValueError naming the problem."""
     if messages is None:
         raise _RowError(f"{where} is missing")
     if not isinstance(messages, list) or not messages:
@@ -172,22 +173,36 @@ def _parse_message(where: str, message) -> dict:
             "content": _parse_content(where, message.get("content"))}
 
 
-def _parse_content(where: str, content) -> str:
+def _parse_content(where: str, content) -> str | list[dict]:
+    """A message's content: its text (text parts joined by newlines), or where it holds image_url
+    parts its parts in order (a vision-language model's processor renders them; a text-only model
+    fails the row)."""
     if isinstance(content, str):
         return content
     if content is None:
         raise _RowError(f"{where}.content is missing")
     if not isinstance(content, list) or not content:
-        raise _RowError(f"{where}.content must be a string or a non-empty list of text parts")
-    texts = []
+        raise _RowError(f"{where}.content must be a string or a non-empty list of text and image_url parts")
+    texts, parts = [], []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise _RowError(f"{where}.content[{j}] must be an object, got {_kind(part)}")
+        if part.get("type") == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise _RowError(f"{where}.content[{j}].image_url.url must be a string (a data: or http(s) URL)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if part.get("type") != "text":
-            raise _RowError(f"{where}.content[{j}]: part type {part.get('type')!r} is not supported (text only)")
+            raise _RowError(f"{where}.content[{j}]: part type {part.get('type')!r} is not supported "
+                            "(text and image_url)")
         if not isinstance(part.get("text"), str):
             raise _RowError(f"{where}.content[{j}].text must be a string")
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if len(parts) > len(texts):
+        return parts
     return "\n".join(texts)
 
 

@@ -17,28 +17,32 @@ LLAVA_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def build_llava(out: Path, seed: int = 0) -> Path:
-    """LLaVA-1.5's shape in miniature: a CLIP vision tower (30x30 images, 6x6 patches: 25 image
-    tokens after its CLS is dropped), a two-layer MLP projector and a Llama decoder, with a
-    LlavaProcessor (CLIP's resize and center crop) over the byte tokenizer plus <image>."""
+def build_llava(out: Path, seed: int = 0, image_size: int = 30, patch: int = 6, vision_hidden: int = 32,
+                vision_layers: int = 2, hidden: int = 64, layers: int = 2, heads: int = 4) -> Path:
+    """LLaVA-1.5's shape in miniature: a CLIP vision tower (by default 30x30 images, 6x6 patches:
+    25 image tokens after its CLS is dropped), a two-layer MLP projector and a Llama decoder, with
+    a LlavaProcessor (CLIP's resize and center crop) over the byte tokenizer plus <image>."""
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
     tok = byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=30, patch_size=6, projection_dim=32, initializer_range=0.2)
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+    vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                              num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
+                              patch_size=patch, projection_dim=vision_hidden, initializer_range=0.2)
+    text = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tok),
+                       max_position_embeddings=2048,
                        initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_id, vision_feature_layer=-2,
                          vision_feature_select_strategy="default", projector_hidden_act="gelu")
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(config).eval().save_pretrained(out)
-    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 30},
-                                                                     crop_size={"height": 30, "width": 30}),
-                               tokenizer=tok, patch_size=6, vision_feature_select_strategy="default",
+    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(
+                                   size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size}),
+                               tokenizer=tok, patch_size=patch, vision_feature_select_strategy="default",
                                num_additional_image_tokens=1, image_token="<image>", chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(out)
     return out

@@ -96,3 +96,34 @@ def test_validate_decodes_the_first_rows_image(tmp_path):
     spec["input"]["image_column"] = "picture"
     with pytest.raises(JobError, match="input column 'picture' not found"):
         preflight(validate(spec))
+
+
+def test_openai_batch_lines_with_image_url_parts(tmp_path):
+    import json
+
+    from vlm_models import data_url
+
+    model = build_llava(tmp_path / "llava")
+    pictures = images()
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "llava", "max_tokens": 6, "temperature": 0,
+                       "messages": [{"role": "user", "content": [
+                           {"type": "image_url", "image_url": {"url": data_url(pictures[i])}},
+                           {"type": "text", "text": QUESTIONS[i]}]}]}} for i in range(3)]
+    lines.append({"custom_id": "req-bad", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "llava", "max_tokens": 6, "messages": [{"role": "user", "content": [
+                      {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}},
+                      {"type": "text", "text": "hi"}]}]}})
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    spec = {"model": str(model), "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai_batch"},
+            "output": {"path": str(tmp_path / "out")}, "engine": {"dtype": "float32"},
+            "sampling": {"ignore_eos": True}, "max_error_rate": 0.5}
+    result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
+    assert result.status == "complete" and result.rows == 4
+    got = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert "host 'example.com' is not in engine.allowed_media_domains" in got["req-bad"]["error"]
+    llm = LLMEngine(EngineConfig(model=str(model), dtype="float32"))
+    for i, line in enumerate(lines[:3]):
+        want = llm.generate(llm.encode_chat(line["body"]["messages"]),
+                            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+        assert got[f"req-{i}"]["error"] is None and got[f"req-{i}"]["generated_text"] == want.text

@@ -118,7 +118,8 @@ class Sequence:
             return self.token_ids
         tokens: list = list(self.token_ids)
         for image in self.images:
-            tokens[image.start:image.start + image.length] = [f"img:{image.digest}"] * image.length
+            for start, n in image.runs:
+                tokens[start:start + n] = [f"img:{image.digest}"] * n
         return tokens
 
     def tokens_at(self, start: int, end: int) -> list[int]:

@@ -11,28 +11,78 @@ import torch
 
 @dataclass(frozen=True)
 class Family:
+    """A family whose processor puts one run of placeholder tokens per image (LLaVA-1.5)."""
+
     name: str
     """What users call it (in refusals and docs)."""
     model_types: tuple[str, ...]
     """config.json's model_type values it covers."""
+    special_tokens: tuple[str, ...] = ()
+    """Marker tokens the family's layout is read from."""
 
     def image_token_id(self, hf_config) -> int:
         value = getattr(hf_config, "image_token_id", None)
         return int(value if value is not None else hf_config.image_token_index)
 
-    def features(self, model, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """(n, 3, H, W) pixel values of n images -> n (tokens, hidden) embeddings in the language
-        model's input space, one vision-tower call for all n."""
+    def image_runs(self, ids: list[int], runs: list[tuple[int, int]], special: dict) -> list[list[tuple[int, int]]]:
+        """The placeholder runs of each image, in order."""
+        return [[run] for run in runs]
+
+    def image_pixels(self, batch, counts: list[int]) -> list[dict]:
+        """The processor's output for one prompt -> each image's own vision-tower inputs."""
+        pixels = batch.get("pixel_values")
+        return [{"pixel_values": pixels[i]} for i in range(len(counts))]
+
+    def features(self, model, pixels: dict) -> list[torch.Tensor]:
+        """n images' inputs stacked ({"pixel_values": (n, 3, H, W)}) -> n (tokens, hidden)
+        embeddings in the language model's input space, one vision-tower call for all n."""
         cfg = model.config
-        out = model.model.get_image_features(pixel_values=pixel_values,
+        out = model.model.get_image_features(pixel_values=pixels["pixel_values"],
                                              vision_feature_layer=cfg.vision_feature_layer,
                                              vision_feature_select_strategy=cfg.vision_feature_select_strategy)
         return list(out.pooler_output)
 
 
-FAMILIES = (Family("LLaVA-1.5", ("llava",)),)
-"""The families run (the first wave of images: LLaVA-1.5; Qwen2.5-VL's M-RoPE and SmolVLM's image
-splitting are not run yet)."""
+@dataclass(frozen=True)
+class Tiled(Family):
+    """Idefics3's layout: an image is cut into tiles, each a run of placeholders after its
+    <row_r_col_c> marker, then the whole image downscaled, a run after <global-img>; the
+    processor's pixel_values hold every tile of every image, in order, beside a pixel mask."""
+
+    special_tokens: tuple[str, ...] = ("<global-img>",)
+
+    def image_runs(self, ids, runs, special):
+        marker, groups, current = special["<global-img>"], [], []
+        for start, n in runs:
+            current.append((start, n))
+            if start and ids[start - 1] == marker:  # the whole image's run ends the image
+                groups.append(current)
+                current = []
+        return groups + ([current] if current else [])
+
+    def image_pixels(self, batch, counts):
+        pixels, mask, out, at = batch["pixel_values"][0], batch.get("pixel_attention_mask"), [], 0
+        for n in counts:
+            one = {"pixel_values": pixels[at:at + n]}
+            if mask is not None:
+                one["pixel_attention_mask"] = mask[0, at:at + n]
+            out.append(one)
+            at += n
+        return out
+
+    def features(self, model, pixels):
+        """Each image on its own (tile counts differ); its tiles' embeddings in token order."""
+        masks = pixels.get("pixel_attention_mask")
+        out = []
+        for i, tiles in enumerate(pixels["pixel_values"]):
+            kwargs = {"pixel_attention_mask": masks[i][None]} if masks is not None else {}
+            feats = model.model.get_image_features(pixel_values=tiles[None], **kwargs).pooler_output
+            out.append(torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1]))
+        return out
+
+
+FAMILIES = (Family("LLaVA-1.5", ("llava",)), Tiled("Idefics3", ("idefics3",)))
+"""The families run (Qwen2.5-VL's M-RoPE positions are not run yet)."""
 VISION_MODEL_TYPES = {"llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3",
                       "smolvlm", "idefics2", "mllama", "paligemma", "gemma3", "pixtral", "mistral3", "internvl",
                       "aya_vision", "llama4", "phi4_multimodal", "blip-2", "chameleon", "fuyu", "kosmos-2"}

@@ -24,21 +24,40 @@ DEFAULT_LIMIT = {"image": 4}
 
 @dataclass
 class ImageSpan:
-    """One image of a row: where its placeholder tokens sit in the prompt, what it is."""
+    """One image of a row: which prompt positions hold its placeholder tokens, what it is."""
 
-    start: int
-    """Position of its first placeholder token."""
-    length: int
-    """Placeholder tokens (= embeddings its vision tower gives)."""
+    runs: tuple[tuple[int, int], ...]
+    """(start, length) of each run of its placeholder tokens, in order: one for LLaVA; one per tile
+    and one for the whole image where the family splits images (Idefics3). Its embeddings fill
+    them in this order."""
     digest: str
     """sha256 of its pixel values as the processor made them: names its positions in the prefix
     cache (the same image under the same prefix shares blocks; two images never do)."""
-    pixels: torch.Tensor | None
-    """(3, H, W) pixel values, held until the row finishes (a preempted row recomputes from them)."""
+    pixels: dict | None
+    """The vision tower's inputs for this image alone ({"pixel_values": ..., ...}), held until the
+    row finishes (a preempted row recomputes from them)."""
+
+    @property
+    def length(self) -> int:
+        """Placeholder tokens (= embeddings its vision tower gives)."""
+        return sum(n for _, n in self.runs)
+
+    @property
+    def start(self) -> int:
+        return self.runs[0][0]
 
     @property
     def end(self) -> int:
-        return self.start + self.length
+        return self.runs[-1][0] + self.runs[-1][1]
+
+    def pieces(self, lo: int, hi: int):
+        """(position, count, offset in its embeddings) of its placeholder positions in [lo, hi)."""
+        offset = 0
+        for start, n in self.runs:
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                yield a, b - a, offset + a - start
+            offset += n
 
 
 def image_parts(messages: list[dict]) -> tuple[list[dict], list]:
@@ -80,6 +99,9 @@ class ImageInputs:
         self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         self.family = family
         self.image_token_id = family.image_token_id(hf_config)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.special = {name: tokenizer.convert_tokens_to_ids(name) for name in family.special_tokens}
+        """The family's marker tokens (Idefics3's <global-img>) -> their ids."""
         self.policy = policy
         self.limit = int((limit or DEFAULT_LIMIT).get("image", DEFAULT_LIMIT["image"]))
 
@@ -102,16 +124,13 @@ class ImageInputs:
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"the processor refused the prompt: {str(exc).splitlines()[0]}") from None
         ids = batch["input_ids"][0].tolist()
-        runs = placeholder_runs(ids, self.image_token_id)
-        pixels = batch.get("pixel_values")
-        count = 0 if pixels is None else pixels.shape[0]
-        if len(runs) != count:
-            raise ValueError(f"the prompt has {len(runs)} image placeholders for {count} images")
+        groups = self.family.image_runs(ids, placeholder_runs(ids, self.image_token_id), self.special)
+        if len(groups) != len(images):
+            raise ValueError(f"the prompt has {len(groups)} image placeholders for {len(images)} images")
         spans = []
-        for (start, length), image in zip(runs, pixels if pixels is not None else []):
-            image = image.contiguous()
-            digest = hashlib.sha256(image.numpy().tobytes()).hexdigest()
-            spans.append(ImageSpan(start, length, digest, image))
+        for runs, pixels in zip(groups, self.family.image_pixels(batch, [len(g) for g in groups])):
+            digest = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in pixels.values())).hexdigest()
+            spans.append(ImageSpan(tuple(runs), digest, pixels))
         return ids, spans
 
 

@@ -12,7 +12,9 @@ import torch
 from engine.multimodal.families import Family, family_of
 
 CACHE_IMAGES = 64
-"""Images whose embeddings are kept (least recently used first out)."""
+"""Images whose embeddings are kept (least recently used first out)..."""
+CACHE_ROWS = 16384
+"""... and embedding rows (image tokens) kept at most: on a 4096-wide bf16 model, 128 MiB."""
 
 
 class VisionFeatures:
@@ -35,11 +37,13 @@ class VisionFeatures:
         for span in missing:
             if span.pixels is None:
                 raise RuntimeError(f"image {span.digest[:12]}'s pixels were dropped before its embeddings were made")
-            by_shape.setdefault(tuple(span.pixels.shape), []).append(span)
+            by_shape.setdefault(tuple((k, tuple(t.shape)) for k, t in span.pixels.items()), []).append(span)
         param = next(model.parameters())
         started = time.perf_counter()
         for group in by_shape.values():
-            pixels = torch.stack([s.pixels for s in group]).to(device=param.device, dtype=param.dtype)
+            pixels = {k: torch.stack([s.pixels[k] for s in group]).to(
+                device=param.device, dtype=param.dtype if t.is_floating_point() else t.dtype)
+                for k, t in group[0].pixels.items()}
             for span, feats in zip(group, self.family.features(model, pixels)):
                 if feats.shape[0] != span.length:
                     raise ValueError(f"the vision tower gave {feats.shape[0]} embeddings for an image of "
@@ -51,8 +55,9 @@ class VisionFeatures:
         for digest in wanted:
             self.cache.move_to_end(digest)
         found = {d: self.cache[d] for d in wanted}
-        while len(self.cache) > max(self.capacity, len(wanted)):
-            self.cache.popitem(last=False)
+        rows = sum(f.shape[0] for f in self.cache.values())
+        while len(self.cache) > len(wanted) and (len(self.cache) > self.capacity or rows > CACHE_ROWS):
+            rows -= self.cache.popitem(last=False)[1].shape[0]  # the least recently used, never this pass's
         return found
 
     def embed(self, model, input_ids: torch.Tensor, images: list) -> torch.Tensor:

@@ -45,9 +45,8 @@ def build_plan(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | 
     lora_slots = None
     if any(c.seq.lora_slot is not None for c in chunks):
         lora_slots = np.repeat([-1 if c.seq.lora_slot is None else c.seq.lora_slot for c in chunks], counts)
-    images = [(int(first[r] + lo - c.start), hi - lo, lo - span.start, span)
-              for r, c in enumerate(chunks) for span in c.seq.images
-              for lo, hi in [(max(c.start, span.start), min(c.start + c.count, span.end))] if lo < hi]
+    images = [(int(first[r] + at - c.start), count, offset, span) for r, c in enumerate(chunks)
+              for span in c.seq.images for at, count, offset in span.pieces(c.start, c.start + c.count)]
     return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
                     max_ctx=int((starts + counts).max()),
                     small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,

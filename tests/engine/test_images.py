@@ -13,26 +13,45 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from engine import LLM, EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from engine.multimodal import MediaPolicy, family_of, load_image
 from parity import ForgivenRows, assert_same_tokens
-from vlm_models import build_llava, data_url, images, png_bytes
+from vlm_models import build_idefics3, build_llava, data_url, images, png_bytes
 
 PROMPTS = ["USER: <image>\nWhat is in the picture? ASSISTANT:", "USER: <image>\nDescribe it. ASSISTANT:",
            "USER: Look at this: <image>\nAnd say what colour it is. ASSISTANT:",
            "USER: <image>\nRead the text. ASSISTANT:", "USER: <image>\nHow many shapes? ASSISTANT:"]
+TILED = [p.replace("USER: ", "User:").replace("\n", "").replace(" ASSISTANT:", "<end_of_utterance>\nAssistant:")
+         for p in PROMPTS]
+"""Idefics3's prompts (each <image> becomes its tiles' and the whole image's placeholder runs)."""
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return str(build_llava(tmp_path_factory.mktemp("llava")))
+def vlms(tmp_path_factory):
+    return {"llava": str(build_llava(tmp_path_factory.mktemp("llava"))),
+            "idefics3": str(build_idefics3(tmp_path_factory.mktemp("idefics3")))}
 
 
 @pytest.fixture(scope="module")
-def reference(llava):
-    processor = AutoProcessor.from_pretrained(llava)
-    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+def llava(vlms):
+    return vlms["llava"]
+
+
+@pytest.fixture(scope="module")
+def references(vlms):
+    return {family: reference_for(path) for family, path in vlms.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["llava"]
+
+
+def reference_for(path: str):
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
     def run(prompt: str, pictures: list, add_special_tokens: bool = True):
-        inputs = processor(text=prompt, images=pictures, return_tensors="pt", add_special_tokens=add_special_tokens)
+        images = [pictures] if "idefics3" in type(model).__name__.lower() else pictures  # a list per prompt
+        inputs = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                              output_scores=True, return_dict_in_generate=True)
         return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0] for s in out.scores]
@@ -55,22 +74,26 @@ def engine(llava, **kw) -> LLMEngine:
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
 @pytest.mark.parametrize("case", ["static", "continuous", "no-prefix-cache", "preempting-pool", "split-prefill"])
-def test_greedy_tokens_equal_transformers_generate(llava, reference, tally, case):
+def test_greedy_tokens_equal_transformers_generate(vlms, references, tally, case, family):
     kw = {"static": {}, "continuous": {"scheduling": "continuous"},
           "no-prefix-cache": {"enable_prefix_caching": False, "scheduling": "continuous"},
           # 5 rows of ~50 prompt + 12 new tokens in 160 slots: rows are preempted and recomputed
           "preempting-pool": {"scheduling": "continuous", "max_batch_tokens": 160},
           # a pass of 16 tokens: each image's 25 placeholder positions are cut across passes
           "split-prefill": {"scheduling": "continuous", "max_num_batched_tokens": 16}}[case]
-    llm = engine(llava, **kw)
+    if family == "idefics3" and case == "preempting-pool":  # its prompts hold 4-5 tiles of 4 tokens each
+        kw["max_batch_tokens"] = 200
+    llm = engine(vlms[family], **kw)
     pictures = images()
-    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(PROMPTS, pictures)],
+    prompts = PROMPTS if family == "llava" else TILED
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, pictures)],
                         GREEDY)
-    for prompt, picture, out in zip(PROMPTS, pictures, outs):
+    for prompt, picture, out in zip(prompts, pictures, outs):
         assert out.error is None, out.error
-        want, scores = reference(prompt, [picture])
-        assert_same_tokens(out.token_ids, want, scores, f"{case} {prompt[:20]!r}", tally)
+        want, scores = references[family](prompt, [picture])
+        assert_same_tokens(out.token_ids, want, scores, f"{family} {case} {prompt[:20]!r}", tally)
     if case == "preempting-pool":  # rows were preempted and recomputed from their images' embeddings
         assert sum(s.preemptions for s in llm.batch_stats) > 0
     assert llm.runner.vision.images_encoded >= len(PROMPTS)
@@ -92,13 +115,18 @@ def test_two_images_under_one_prompt_never_share_a_block_and_one_image_does(llav
     assert llm.runner.vision.images_encoded == 2  # and its embeddings, from the cache
 
 
-def test_several_images_in_one_prompt(llava, reference, tally):
-    llm = engine(llava)
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_several_images_in_one_prompt(vlms, references, tally, family):
+    llm = engine(vlms[family])
     pictures = images()[:3]
-    prompt = "USER: <image>\n<image>\nCompare: <image>\nASSISTANT:"
+    prompt = ("USER: <image>\n<image>\nCompare: <image>\nASSISTANT:" if family == "llava" else
+              "User:<image><image>Compare:<image><end_of_utterance>\nAssistant:")
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": pictures}}, GREEDY)[0]
-    want, scores = reference(prompt, pictures)
-    assert_same_tokens(out.token_ids, want, scores, "three images", tally)
+    assert out.error is None, out.error
+    want, scores = references[family](prompt, pictures)
+    assert_same_tokens(out.token_ids, want, scores, f"{family}: three images", tally)
+    spans = llm.images.prepare(prompt, pictures)[1]
+    assert [len(s.runs) for s in spans] == ([1, 1, 1] if family == "llava" else [5, 3, 3])  # tiles + whole image
 
 
 def test_chat_messages_with_image_url_and_image_pil_parts(llava, reference, tally):
@@ -191,7 +219,7 @@ def test_families_not_run_and_settings_images_do_not_take_are_refused_in_one_lin
     from transformers import Qwen2_5_VLConfig
 
     with pytest.raises(ValueError, match=r"qwen2_5_vl vision-language models are not run yet; the engine runs "
-                                         r"LLaVA-1.5 \(llava\)"):
+                                         r"LLaVA-1.5 \(llava\), Idefics3 \(idefics3\)"):
         family_of(Qwen2_5_VLConfig())
     with pytest.raises(ModelLoadError, match="LLaVA-1.5 models run without quantization for now"):
         engine(llava, quantization="int8")
@@ -203,8 +231,40 @@ def test_the_prefix_cache_names_image_positions_by_the_images_digest():
 
     def row(digest):
         return Sequence(index=0, prompt_token_ids=[5, 6, 9, 9, 9, 7], params=SamplingParams(), seed=0,
-                        images=[ImageSpan(2, 3, digest, None)])
+                        images=[ImageSpan(((2, 3),), digest, None)])
 
     a, b = row("aa"), row("bb")
     assert a.named_tokens[:2] == [5, 6] and a.named_tokens[5] == 7
     assert a.named_tokens[2:5] == ["img:aa"] * 3 and b.named_tokens[2:5] == ["img:bb"] * 3
+
+
+def test_the_embedding_cache_is_bounded_and_never_drops_what_a_pass_needs(monkeypatch):
+    from engine.multimodal import ImageSpan, VisionFeatures, vision
+
+    calls = []
+
+    class Family:
+        def features(self, model, pixels):
+            calls.append(pixels["pixel_values"].shape[0])
+            return [torch.zeros(25, 4) for _ in range(pixels["pixel_values"].shape[0])]
+
+    model = torch.nn.Linear(2, 2)
+    cache = VisionFeatures(Family(), capacity=2)
+    spans = [ImageSpan(((0, 25),), f"d{i}", {"pixel_values": torch.zeros(3, 4, 4)}) for i in range(3)]
+    assert set(cache.features(model, spans)) == {"d0", "d1", "d2"} and calls == [3]  # one call for the pass
+    assert len(cache.cache) == 3  # all three are this pass's: none dropped
+    cache.features(model, spans[:1])
+    assert list(cache.cache) == ["d2", "d0"] and calls == [3]  # d0 from the cache; the oldest other dropped
+    monkeypatch.setattr(vision, "CACHE_ROWS", 30)
+    cache.features(model, spans[1:2])
+    assert list(cache.cache) == ["d1"] and calls == [3, 1]
+
+
+def test_an_images_pieces_follow_its_runs_across_a_chunk():
+    from engine.multimodal import ImageSpan
+
+    span = ImageSpan(((3, 4), (10, 4), (20, 2)), "d", None)
+    assert span.length == 10 and span.start == 3 and span.end == 22
+    assert list(span.pieces(0, 32)) == [(3, 4, 0), (10, 4, 4), (20, 2, 8)]
+    assert list(span.pieces(5, 12)) == [(5, 2, 2), (10, 2, 4)]  # a chunk cutting two runs
+    assert list(span.pieces(14, 20)) == []

@@ -48,6 +48,42 @@ def build_llava(out: Path, seed: int = 0, image_size: int = 30, patch: int = 6, 
     return out
 
 
+IDEFICS3_TEMPLATE = ("<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}:{% if m['content'] is string %}"
+                     "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+                     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+                     "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def build_idefics3(out: Path, seed: int = 0) -> Path:
+    """Idefics3 in miniature: images resized to a longest edge of 64 and cut into 32x32 tiles (a 2x2
+    grid, or fewer for a narrow image) plus the whole image at 32x32, each tile 4 placeholder tokens
+    (8x8 patches, pixel-shuffled by 2) after its <row_r_col_c> marker, the whole image's after
+    <global-img>; a Llama decoder; the byte tokenizer plus Idefics3's marker tokens."""
+    import transformers
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, Idefics3VisionConfig
+    from transformers import LlamaConfig
+
+    tok = byte_tokenizer()
+    markers = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    tok.add_special_tokens({"additional_special_tokens": markers + [f"<row_{r}_col_{c}>" for r in range(1, 7)
+                                                                     for c in range(1, 7)]})
+    image_processor = getattr(transformers, "Idefics3ImageProcessorPil", None) or transformers.Idefics3ImageProcessor
+    processor = Idefics3Processor(image_processor=image_processor(size={"longest_edge": 64},
+                                                                  max_image_size={"longest_edge": 32}),
+                                  tokenizer=tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=8, initializer_range=0.2)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=2048, initializer_range=0.2,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = Idefics3Config(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                            scale_factor=2)
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(config).eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
 def images() -> list[Image.Image]:
     """Test images of several sizes and aspect ratios: a gradient, shapes, text, flat colours."""
     gradient = Image.linear_gradient("L").convert("RGB").resize((64, 48))

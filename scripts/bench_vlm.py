@@ -3,9 +3,9 @@ tiny LLaVA-1.5-shaped model built here (random weights, no download), float32 on
 
     .venv/bin/python scripts/bench_vlm.py [--prompts 256] [--max-tokens 32] [--batch 16] [--rss-rows 0]
 
-Workload: `--prompts` prompts of one or two images each (gradients, shapes, text and flat colours
-of several sizes and aspect ratios, resized by the processor to 64x64: 64 image tokens each),
-greedy, EOS ignored. transformers runs padded batches of `--batch` (left padding), the engine all
+Workload: `--prompts` prompts of one or two images each, every image new (random shapes, colours
+and a word, at several sizes and aspect ratios, resized by the processor to 64x64: 64 image tokens
+each, so neither the embedding cache nor the prefix cache serves an image), greedy, EOS ignored. transformers runs padded batches of `--batch` (left padding), the engine all
 prompts at once (continuous batching). Prints images/s and generated tok/s of each, their ratio,
 how many prompts gave identical tokens, and the share of the engine's time spent in the vision
 tower. `--rss-rows N` also runs N more prompts through the engine in chunks and prints the
@@ -30,17 +30,31 @@ QUESTIONS = ["What is in the picture?", "Describe the image in detail.", "What c
              "Read any text you see.", "How many shapes are there?", "Is this a photograph?"]
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[str, list]]:
-    from vlm_models import images
+def picture(rng: random.Random):
+    """A new image: a background, a few shapes and a word, each of random colour, place and size,
+    at one of several sizes and aspect ratios (no two prompts share an image: no cache serves one)."""
+    from PIL import Image, ImageDraw
 
+    def colour():
+        return tuple(rng.randrange(256) for _ in range(3))
+
+    w, h = rng.choice(((64, 64), (96, 48), (40, 90), (120, 80), (50, 50), (200, 60)))
+    image = Image.new("RGB", (w, h), colour())
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(1, 4)):
+        x, y = rng.randrange(w), rng.randrange(h)
+        box = (x, y, x + rng.randint(4, w // 2), y + rng.randint(4, h // 2))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=colour())
+    draw.text((rng.randrange(w // 2), rng.randrange(h // 2)), rng.choice(("cat", "42", "sale", "ok")), fill=colour())
+    return image
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[str, list]]:
     rng = random.Random(seed)
-    pictures = images()
     out = []
-    for i in range(n):
+    for _ in range(n):
         k = rng.choice((1, 1, 2))
-        chosen = [pictures[rng.randrange(len(pictures))].rotate(rng.choice((0, 90, 180)), expand=True)
-                  for _ in range(k)]
-        out.append(("USER: " + "<image>\n" * k + rng.choice(QUESTIONS) + " ASSISTANT:", chosen))
+        out.append(("USER: " + "<image>\n" * k + rng.choice(QUESTIONS) + " ASSISTANT:", [picture(rng) for _ in range(k)]))
     return out
 
 

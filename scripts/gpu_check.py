@@ -45,8 +45,8 @@ class Stage:
     """The engine modules with CUDA-only code this stage exercises (tests/test_gpu_check.py holds
     that every such module is covered by some default stage)."""
     what: str
-    requires: dict[str, str] = field(default_factory=dict)
-    """Test file -> a package it imports: skipped, in one line, where the package is missing."""
+    requires: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Test file -> packages it imports: skipped, in one line, where one is missing."""
     default: bool = True
 
     @property
@@ -87,8 +87,8 @@ STAGES = (
           ("engine/sample/token_options.py", "engine/runner/attention.py", "engine/runner/model_runner.py"),
           "the default suite's engine tests above on the GPU in float32 (" + ", ".join(
               Path(f).stem.removeprefix("test_") for f in ENGINE_ON_CUDA) + ")",
-          requires={"tests/engine/test_structured_outputs.py": "jsonschema", "tests/engine/test_lora.py": "peft",
-                    "tests/engine/test_pooling.py": "sentence_transformers"}),
+          requires={"tests/engine/test_structured_outputs.py": ("jsonschema", "xgrammar"),
+                    "tests/engine/test_lora.py": ("peft",), "tests/engine/test_pooling.py": ("sentence_transformers",)}),
     Stage("bench", 30, ("python3", "scripts/bench_gpu.py", "--quick", "--skip-eager", "--json", "{out}/bench.json"),
           ("engine/runner/cuda_graph.py",),
           "the 1.2B throughput table (128 requests) and a decode profile"),
@@ -121,9 +121,9 @@ def command(stage: Stage, out: Path) -> tuple[list[str], list[str]]:
     """(argv, one line per test file skipped for a missing package)."""
     skipped, argv = [], []
     for part in stage.command:
-        package = stage.requires.get(part)
-        if package is not None and importlib.util.find_spec(package) is None:
-            skipped.append(f"skipped {part}: it needs {package}, which this machine lacks")
+        missing = [p for p in stage.requires.get(part, ()) if importlib.util.find_spec(p) is None]
+        if missing:
+            skipped.append(f"skipped {part}: it needs {', '.join(missing)}, which this machine lacks")
             continue
         argv.append(part.replace("{out}", str(out)))
     return argv, skipped

@@ -66,7 +66,7 @@ def test_a_stage_past_its_bound_is_cut_with_what_it_started():
 
 
 def test_a_test_file_whose_package_is_missing_is_skipped_in_one_line():
-    stage = gpu_check.Stage("x", 1, ("pytest", "a.py", "b.py"), (), "", requires={"a.py": "no_such_package_here"})
+    stage = gpu_check.Stage("x", 1, ("pytest", "a.py", "b.py"), (), "", requires={"a.py": ("os", "no_such_package_here")})
     argv, skipped = gpu_check.command(stage, Path("/tmp"))
     assert argv == ["pytest", "b.py"] and skipped == ["skipped a.py: it needs no_such_package_here, which this "
                                                       "machine lacks"]

@@ -98,6 +98,7 @@ def test_validate_decodes_the_first_rows_image(tmp_path):
         preflight(validate(spec))
 
 
+@pytest.mark.slow  # fast siblings: the line parser's image_url tests (test_openai_batch) and LLM.chat's (test_images)
 def test_openai_batch_lines_with_image_url_parts(tmp_path):
     import json
 

@@ -160,8 +160,15 @@ def test_prompts_as_token_ids_and_vllm_dicts_give_the_same_outputs(llm):
     bad = llm.generate(["", "fine"], params)
     assert bad[0].outputs[0].finish_reason == "error" and "empty prompt" in bad[0].outputs[0].error
     assert bad[1].outputs[0].finish_reason in ("stop", "length")
-    with pytest.raises(ValueError, match="a prompt dict takes 'prompt' or 'prompt_token_ids'"):
+    with pytest.raises(ValueError, match=r"a prompt dict takes 'prompt' \(with 'multi_modal_data' for images\) or "
+                                         r"'prompt_token_ids', got \['text'\]"):
         llm.generate({"text": "x"})
+    with pytest.raises(ValueError, match="a prompt dict takes"):
+        llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": b"x"}})
+    # an image prompt to a text-only model fails that row alone (engine.multimodal)
+    image = llm.generate([{"prompt": "look", "multi_modal_data": {"image": b"not read"}}, "fine"], params)
+    assert "is a text-only model: it takes no images" in image[0].outputs[0].error
+    assert image[1].outputs[0].error is None
 
 
 def test_unknown_engine_arguments_are_refused_naming_them(model):

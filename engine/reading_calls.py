@@ -29,20 +29,23 @@ class ReadingCalls:
         if len(prompts) != len(choices):
             raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
         loras = per_prompt_lora(lora_request, len(prompts))
-        prompt_ids, choice_ids, failed = [], [], {}
+        prompt_ids, choice_ids, images, failed = [], [], [], {}
         for i, (p, cs) in enumerate(zip(prompts, choices)):
-            try:
-                ids = self._tokenize(p)
-                cids = [self.tokenizer.continuation(p, ids, c) for c in cs]
+            spans = []
+            try:  # an image prompt (engine.multimodal): its choices are tokenized on their own
+                ids, spans = self._image_prompt(p) if isinstance(p, dict) else (self._tokenize(p), [])
+                cids = [self.tokenizer.continuation(None if spans else p, ids, c) for c in cs]
             except (TypeError, ValueError) as exc:
                 failed[i] = str(exc)
                 ids, cids = [], []
             prompt_ids.append(ids)
             choice_ids.append(cids)
+            images.append(spans)
         if self.has_unfinished():
             raise EngineBusy("score_choices() called while generation requests are still running")
         scores = self.adapters.per_adapter(
-            loras, lambda rows: score_choices(self.paged, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows]),
+            loras, lambda rows: score_choices(self.paged, [prompt_ids[i] for i in rows], [choice_ids[i] for i in rows],
+                                              [images[i] for i in rows]),
             lambda message: ChoiceScores([], [], 0, message))
         for i, message in failed.items():
             scores[i] = ChoiceScores([], [], 0, message)

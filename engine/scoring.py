@@ -23,8 +23,11 @@ from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import LOGITS_BYTES, Sequence  # pass 2 runs in chunks of choice tokens under it
 
 
-def score_choices(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
-    """prompts[i] and choices[i][j] are token ids; returns one ChoiceScores per row, in order."""
+def score_choices(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]],
+                  images: list[list] | None = None) -> list[ChoiceScores]:
+    """prompts[i] and choices[i][j] are token ids (images[i]: prompt i's image spans,
+    engine.multimodal); returns one ChoiceScores per row, in order."""
+    images = images or [[] for _ in prompts]
     results: list[ChoiceScores | None] = [None] * len(prompts)
     pool = paged.pool
     todo = []
@@ -48,7 +51,8 @@ def score_choices(paged: PagedPass, prompts: list[list[int]], choices: list[list
     for i in todo + [None]:
         need = _blocks(pool, prompts[i], choices[i]) if i is not None else 0
         if group and (i is None or used + need > pool.num_free):
-            for j, scores in zip(group, _score_group(paged, [prompts[j] for j in group], [choices[j] for j in group])):
+            for j, scores in zip(group, _score_group(paged, [prompts[j] for j in group], [choices[j] for j in group],
+                                                     [images[j] for j in group])):
                 results[j] = scores
             group, used = [], 0
         if i is not None:
@@ -65,10 +69,11 @@ def _blocks(pool, prompt: list[int], choices: list[list[int]]) -> int:
 
 
 @torch.inference_mode()
-def _score_group(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]]) -> list[ChoiceScores]:
+def _score_group(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]],
+                 images: list[list]) -> list[ChoiceScores]:
     pool, runner, bs = paged.pool, paged.runner, paged.block_size
-    seqs = [paged.stamp(Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0))
-            for i, p in enumerate(prompts)]
+    seqs = [paged.stamp(Sequence(index=i, prompt_token_ids=p, params=SamplingParams(max_tokens=1), seed=0,
+                                 images=spans)) for i, (p, spans) in enumerate(zip(prompts, images))]
     forks: list[Sequence] = []
     try:
         last = _prompts(paged, seqs)  # (R, V) logits at each prompt's last token
@@ -81,7 +86,7 @@ def _score_group(paged: PagedPass, prompts: list[list[int]], choices: list[list[
                 if len(c) < 2:
                     continue
                 fork = paged.stamp(Sequence(index=i, prompt_token_ids=seq.prompt_token_ids + c[:-1],
-                                                   params=SamplingParams(max_tokens=1), seed=0))
+                                                   params=SamplingParams(max_tokens=1), seed=0, images=seq.images))
                 fork.block_ids = pool.table(seq.block_ids[:full], fork.num_tokens)
                 if len(seq.prompt_token_ids) % bs:
                     runner.copy_block(paged.cache, seq.block_ids[full], fork.block_ids[full])

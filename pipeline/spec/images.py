@@ -9,15 +9,12 @@ if TYPE_CHECKING:
 
 def check_images(spec: JobSpec) -> None:
     """input.image_column's rules: a row's images go before its prompt text (prompt_column or
-    template), in generate and eval jobs whose labels are generated (choice scoring over images
-    is not run yet)."""
-    inp, label = spec.input, spec.label
+    template), in generate, label and eval jobs (pooling tasks take text)."""
+    inp = spec.input
     if inp.image_column is None:
         return
     if inp.messages_column or inp.format == "openai_batch":
         raise ValueError("input.image_column puts a row's images before its prompt text: it takes prompt_column or "
                          "template, not messages_column or OpenAI Batch input")
-    scoring = bool(label.choices or label.choices_column)
-    if spec.task not in ("generate", "eval") or scoring:
-        raise ValueError(f"input.image_column: images run in generate and eval jobs with generated labels for now, "
-                         f"not task {spec.task}{' with choice scoring' if scoring else ''}")
+    if spec.task not in ("generate", "label", "eval"):
+        raise ValueError(f"input.image_column: images run in generate, label and eval jobs, not task {spec.task}")

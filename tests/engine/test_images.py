@@ -268,3 +268,28 @@ def test_an_images_pieces_follow_its_runs_across_a_chunk():
     assert list(span.pieces(0, 32)) == [(3, 4, 0), (10, 4, 4), (20, 2, 8)]
     assert list(span.pieces(5, 12)) == [(5, 2, 2), (10, 2, 4)]  # a chunk cutting two runs
     assert list(span.pieces(14, 20)) == []
+
+
+def test_choice_scores_over_an_image_equal_transformers_loglikelihoods(llava):
+    llm = engine(llava)
+    processor = AutoProcessor.from_pretrained(llava)
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+    pictures = images()[:2]
+    choices = [" red", " blue", " a cat"]
+    rows = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": pictures[i]}} for i in range(2)]  # one text
+    scores = llm.score_choices(rows + ["plain text row"], [choices] * 3)
+    assert scores[2].error is None
+    for i, picture in enumerate(pictures):
+        assert scores[i].error is None, scores[i].error
+        inputs = processor(text=PROMPTS[0], images=[picture], return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        for choice, got in zip(choices, scores[i].logprobs):
+            tokens = llm.tokenizer.encode_continuation(choice)
+            full = torch.tensor([ids + tokens])
+            with torch.no_grad():
+                logits = model(input_ids=full, pixel_values=inputs["pixel_values"],
+                               attention_mask=torch.ones_like(full)).logits[0]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            want = sum(float(logp[len(ids) - 1 + k, t]) for k, t in enumerate(tokens))
+            assert abs(got - want) < 1e-3, (choice, got, want)
+    assert scores[0].logprobs != scores[1].logprobs  # one text, two images: each image was read

@@ -73,8 +73,9 @@ def test_image_columns_are_refused_where_they_cannot_run(tmp_path):
             "output": {"path": str(tmp_path / "out")}}
     with pytest.raises(SpecError, match="input.image_column puts a row's images before its prompt text"):
         validate({**base, "input": {**base["input"], "messages_column": "messages"}})
-    with pytest.raises(SpecError, match="images run in generate and eval jobs .* not task label with choice scoring"):
-        validate({**base, "task": "label", "label": {"choices": ["yes", "no"]}})
+    with pytest.raises(SpecError, match="images run in generate, label and eval jobs, not task embed"):
+        validate({**base, "task": "embed"})
+    assert validate({**base, "task": "label", "label": {"choices": ["yes", "no"]}}).input.image_column == "image"
     assert validate(base).input.image_column == "image"
 
 
@@ -128,3 +129,28 @@ def test_openai_batch_lines_with_image_url_parts(tmp_path):
         want = llm.generate(llm.encode_chat(line["body"]["messages"]),
                             SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
         assert got[f"req-{i}"]["error"] is None and got[f"req-{i}"]["generated_text"] == want.text
+
+
+@pytest.mark.slow  # fast sibling: test_images' choice scores over an image against transformers
+def test_a_label_job_scores_choices_over_each_rows_image(tmp_path):
+    model = build_llava(tmp_path / "llava")
+    rows = image_rows()[:6]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({"row_id": [r["row_id"] for r in rows], "question": ["What colour?"] * 6,
+                             "image": pa.array([r["image"] for r in rows], struct)}), tmp_path / "in.parquet")
+    choices = ["red", "blue", "green"]
+    spec = {"model": str(model), "task": "label", "label": {"choices": choices},
+            "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "question", "image_column": "image",
+                      "id_column": "row_id"}, "output": {"path": str(tmp_path / "out")},
+            "engine": {"dtype": "float32"}, "workers": {"num": 1}}
+    result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
+    assert result.status == "complete" and result.rows == 6
+    got = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    llm = LLMEngine(EngineConfig(model=str(model), dtype="float32"))
+    prompts = [llm.encode_chat([{"role": "user", "content": [{"type": "image", "image": r["image"]},
+                                                             {"type": "text", "text": "What colour?"}]}])
+               for r in rows]
+    for r, scores in zip(rows, llm.score_choices(prompts, [choices] * 6)):
+        best = choices[max(range(3), key=scores.logprobs.__getitem__)]
+        assert got[r["row_id"]]["label"] == best and got[r["row_id"]]["error"] is None
+    assert len({tuple(got[r["row_id"]]["label_logprobs"]) for r in rows}) > 1  # the images change the scores

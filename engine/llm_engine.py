@@ -239,7 +239,13 @@ class LLMEngine(ReadingCalls):
             return self.tokenizer.encode_chat(messages)
         if self.images is None:
             raise ValueError(f"{self.config.model} is a text-only model: it takes no images")
-        text = self.images.chat_text(converted, add_generation_prompt=True)
+        return self.chat_image_prompt(converted, sources, add_generation_prompt=True)
+
+    def chat_image_prompt(self, converted: list[dict], sources: list, **template_kwargs) -> dict:
+        """The image prompt of a conversation whose image parts image_parts() replaced (its images
+        `sources`), rendered by the processor's chat template; on a text-only model an empty one,
+        which add_request fails in one line."""
+        text = "" if self.images is None else self.images.chat_text(converted, **template_kwargs)
         return {"prompt": text, "multi_modal_data": {"image": sources}, "add_special_tokens": False}
 
     def _image_prompt(self, prompt: dict) -> tuple[list[int], list]:

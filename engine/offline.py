@@ -72,12 +72,12 @@ class LLM:
         for conversation in conversations:
             converted, sources = image_parts(list(conversation))
             if images is not None or sources:  # a vision-language model's processor renders images
-                text = "" if images is None else images.chat_text(
-                    converted, chat_template=chat_template, add_generation_prompt=add_generation_prompt and not
-                    continue_final_message, continue_final_message=continue_final_message, tools=tools,
+                prompt = self.llm_engine.chat_image_prompt(
+                    converted, sources, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                    and not continue_final_message, continue_final_message=continue_final_message, tools=tools,
                     **(chat_template_kwargs or {}))
-                texts.append(text)
-                ids.append({"prompt": text, "multi_modal_data": {"image": sources}, "add_special_tokens": False})
+                texts.append(prompt["prompt"])
+                ids.append(prompt)
                 continue
             text = tok.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt and not continue_final_message,

@@ -99,8 +99,9 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.detach().float(), want.detach().float()
     if not bool(torch.isfinite(got).all()):
         return math.inf
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    return float((got - want).abs().max()) / max(scale, 1e-6) if want.numel() else 0.0
+    if not want.numel():
+        return 0.0
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
 
 
 def attention_tolerance(dtype: torch.dtype) -> float:

@@ -354,14 +354,28 @@ def read_schema_columns(storage: Storage, path: str, fmt: str) -> list[str]:
     with storage.fs.open(path, "rb") as f:
         if fmt == "parquet":
             return pq.ParquetFile(f).schema_arrow.names
-        for raw in f:
-            if raw.strip():
-                try:
-                    value = json.loads(raw)
-                except ValueError:
-                    return []
-                return list(value) if isinstance(value, dict) else []
-    return []
+        return list(_first_json_row(f))
+
+
+def read_first_value(storage: Storage, path: str, fmt: str, column: str):
+    """The first row's value of `column` in a file (None where it has none), for fail-fast checks."""
+    with storage.fs.open(path, "rb") as f:
+        if fmt == "parquet":
+            values = pq.ParquetFile(f).read_row_group(0, columns=[column]).column(0)
+            return values[0].as_py() if len(values) else None
+        return _first_json_row(f).get(column)
+
+
+def _first_json_row(f) -> dict:
+    """The first non-blank line of a JSON-lines file as a dict ({} when it is none)."""
+    for raw in f:
+        if raw.strip():
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                return {}
+            return value if isinstance(value, dict) else {}
+    return {}
 
 
 def _short(exc: Exception) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from engine.api import EngineConfig, ModelLoadError, one_line
 from engine.api import StructuredOutputsParams
 from pipeline.errors import InputError, JobError, TemplateError
-from pipeline.io import Storage, list_inputs, read_schema_columns
+from pipeline.io import Storage, list_inputs, read_first_value, read_schema_columns
 from pipeline.spec import JobSpec
 from pipeline.tasks import PromptBuilder
 
@@ -100,25 +100,16 @@ def input_columns(spec: JobSpec, builder: PromptBuilder) -> list[str]:
 def check_image_sample(spec: JobSpec, storage: Storage, path: str, name: str, fmt: str) -> None:
     """The first row's image decodes under the engine's media policy (a JobError naming the file
     otherwise: a column of something else fails here, not row by row)."""
-    import json
-
-    import pyarrow.parquet as pq
-
     from engine.multimodal import load_image, media_policy
 
     column = spec.input.image_column
-    with storage.fs.open(path, "rb") as f:
-        if fmt == "parquet":
-            values = pq.ParquetFile(f).read_row_group(0, columns=[column]).column(0)
-            value = values[0].as_py() if len(values) else None
-        else:
-            line = next((raw for raw in f if raw.strip()), b"{}")
-            value = json.loads(line).get(column)
+    value = read_first_value(storage, path, fmt, column)
     if value is None:
         return
+    policy = media_policy(spec.engine_config())
     try:
         for source in value if isinstance(value, list) else [value]:
-            load_image(source, media_policy(spec.engine_config()))
+            load_image(source, policy)
     except ValueError as exc:
         raise JobError(f"input.image_column {column!r}: the first row of {name} holds no readable image: {exc}") from None
 

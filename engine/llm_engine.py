@@ -29,9 +29,9 @@ from engine.runner.cuda_graph import graphs_supported
 from engine.runner.loader import import_apart
 from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
 from engine.runner.model_runner import ModelRunner
-from engine.sample.batch import Batch, Sampled, sample_seed
+from engine.sample.running_rows import RunningRows, Sampled, sample_seed
 from engine.sample.finish import finish_rows
-from engine.sample.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
+from engine.sample.prompt_logprobs import prompt_logprob_rows, collect_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
 from engine.reading_calls import ReadingCalls
@@ -81,7 +81,7 @@ class LLMEngine(ReadingCalls):
                                    long_rope_after=longrope.original if longrope is not None else None,
                                    lora_slots=self.adapters.slots)
         self.scheduler.collect_tokens = collect_tokens(self.runner.vocab_size)
-        self.batch = Batch(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
+        self.running = RunningRows(self.tokenizer, self.runner.device, self.runner.vocab_size, self.config.max_num_seqs)
         self.stats = StatsCollector()
         """Figures of the batch running now; closed ones go to batch_stats."""
         self.sampler = Sampler(self.runner.vocab_size, self.runner.device)
@@ -94,7 +94,8 @@ class LLMEngine(ReadingCalls):
         self._prompt_logprobs = False  # some request asked for prompt logprobs: passes check for them
         self.images = (ImageInputs(self.runner.model_dir, self.runner.vision.family, self.runner.model.config,
                                    media_policy(self.config), self.config.limit_mm_per_prompt,
-                                   self.config.trust_remote_code) if self.runner.vision is not None else None)
+                                   self.config.trust_remote_code, self.runner.vision.family.rope_index(self.runner.model))
+                       if self.runner.vision is not None else None)
         """A vision-language model's image prompts (engine.multimodal), else None."""
         self.paged = PagedPass(self.runner, self.cache, self.pool, self.max_num_batched_tokens, self.max_model_len,
                                self.adapters.stamp, self.scheduler.salt_of)
@@ -265,14 +266,14 @@ class LLMEngine(ReadingCalls):
         return self.images.prepare(prompt["prompt"], sources, prompt.get("add_special_tokens", True))
 
     def has_unfinished(self) -> bool:
-        return self.cache is not None and (not self.batch.empty or self.scheduler.has_work())
+        return self.cache is not None and (not self.running.empty or self.scheduler.has_work())
 
     def abort(self, reason: str = "aborted") -> list[Sequence]:
         """Ends every unfinished request with finish_reason "error" and `reason` as its error, and
         gives its blocks back to the pool, so the engine takes new requests. `generate` calls it
         when a pass raises (out of memory in a pass of decoding rows, a tensor-parallel rank lost,
         Ctrl-C) before the exception goes on. Returns the requests it ended."""
-        self.batch.remove(list(self.batch.seqs))
+        self.running.remove(list(self.running.seqs))
         self.stats.drop()
         seqs = self.scheduler.abort()
         for seq in seqs:
@@ -286,63 +287,68 @@ class LLMEngine(ReadingCalls):
         """One forward pass: schedule -> run -> postprocess. The pass carries every running
         row's next token and prefill chunks of rows still reading their prompts. Returns the
         sequences that finished in it."""
-        plan = self._schedule()
-        if plan.is_empty:
+        step = self._schedule()
+        if step.is_empty:
             return []
-        sampled = self._run(plan)
+        sampled = self._run(step)
         finished = self._postprocess(sampled) if sampled is not None else []
         self._close_batch()
         return finished
 
     def _schedule(self) -> SchedulerOutput:
-        """The next pass's plan; the running table follows it (preempted rows leave, admitted join)."""
-        plan = self.scheduler.schedule()
+        """The next step; the running table follows it (preempted rows leave, admitted join)."""
+        step = self.scheduler.schedule()
         self.adapters.load_pending()
-        self.batch.remove(plan.preempted)
-        if plan.admitted:
-            self.stats.join(plan.admitted, self.batch.num_rows)
-            self.batch.join(plan.admitted)
-        return plan
+        self.running.remove(step.preempted)
+        if step.admitted:
+            self.stats.join(step.admitted, self.running.num_rows)
+            self.running.join(step.admitted)
+        return step
 
-    def _run(self, plan: SchedulerOutput) -> Sampled | None:
-        """Runs the plan's forward pass and samples the next tokens on the device (None: the
+    def _run(self, step: SchedulerOutput) -> Sampled | None:
+        """Runs the step's forward pass and samples the next tokens on the device (None: the
         pass ran out of memory and its prefills were requeued)."""
-        prompt_lp = plan_prompt_logprobs(plan.chunks) if self._prompt_logprobs else None
+        prompt_lp = prompt_logprob_rows(step.chunks) if self._prompt_logprobs else None
         try:
-            logits = self.runner.run(self.cache, plan.chunks, keep=None if prompt_lp is None else prompt_lp.keep)
+            logits = self.runner.run(self.cache, step.chunks, keep=None if prompt_lp is None else prompt_lp.keep)
         except torch.OutOfMemoryError as exc:
-            self._out_of_memory(plan, exc)
+            self._out_of_memory(step, exc)
             return None
         if prompt_lp is not None:
-            record_prompt_logprobs(prompt_lp, logits)
+            collect_prompt_logprobs(prompt_lp, logits)
             logits = logits[prompt_lp.sampling] if prompt_lp.sampling else None
-        self.scheduler.update(plan)
-        self.stats.count_pass(plan, self.pool.num_used * self.block_size)
-        seqs = [c.seq for c in plan.chunks if c.samples]
+        self.scheduler.update(step)
+        self.stats.count_pass(step, self.pool.num_used * self.block_size)
+        seqs = [c.seq for c in step.chunks if c.samples]
         if not seqs:
             return None
-        rows = self.batch.rows(seqs)
+        rows = self.running.rows(seqs)
         if any(s.matcher is not None for s in seqs):
             self.grammar.apply(logits, seqs)
-        tokens, logprobs = self.sampler(logits, **self.batch.sampler_inputs(rows, seqs))
+        tokens, logprobs = self.sampler(logits, **self.running.sampler_inputs(rows, seqs))
         return Sampled(seqs, rows, tokens, logprobs)
 
     def _postprocess(self, sampled: Sampled) -> list[Sequence]:
         """Records the sampled tokens on the host and finishes the rows that are done."""
-        finished = self.batch.record(sampled.seqs, sampled.rows, sampled.tokens, sampled.logprobs)
+        finished = self.running.append_tokens(sampled.seqs, sampled.rows, sampled.tokens, sampled.logprobs)
         constrained = [s for s in sampled.seqs if s.matcher is not None]
         if constrained:
             self.grammar.stop_whole_at_length(finished)
             finished += self._grammar_complete([s for s in constrained if s.finish_reason is None])
             self.grammar.check(finished)
         self.scheduler.finish(finished)
-        self.batch.remove(finished)
+        self.running.remove(finished)
+        self.stats.finish(finished)
+        for seq in finished:  # its images' pixels (its samples share them: kept while any runs)
+            if seq.images and seq.params.n == 1:
+                for span in seq.images:
+                    span.pixels = None
         return finished
 
     def _close_batch(self) -> None:
         """A drained table closes its batch's statistics: when no work is left, or in static
         mode whenever one batch has drained."""
-        if self.batch.empty and self.stats.open and (not self.continuous or not self.scheduler.has_work()):
+        if self.running.empty and self.stats.open and (not self.continuous or not self.scheduler.has_work()):
             self.batch_stats.append(self.stats.close())
 
     def _grammar_complete(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -355,20 +361,20 @@ class LLMEngine(ReadingCalls):
                     seq.finish("stop", seq.stop_reason)
         return done
 
-    def _out_of_memory(self, plan: SchedulerOutput, exc: Exception) -> None:
+    def _out_of_memory(self, step: SchedulerOutput, exc: Exception) -> None:
         """A pass ran out of device memory. Its prefill rows go back to the queue (recomputed
         later) and later passes carry half the tokens; the pool is untouched (nothing of the
         failed pass was named, so no cached block holds half-written keys and values). A pass of
         decoding rows alone re-raises: the caller's remedy is a smaller pool."""
-        chunked = [c.seq for c in plan.chunks if c.count > 1]
+        chunked = [c.seq for c in step.chunks if c.count > 1]
         if not chunked or self.scheduler.max_num_batched_tokens <= self.config.max_num_seqs:
             raise exc
         log.warning("out of memory in a pass of %d tokens: its %d prefill rows are requeued and passes now carry "
-                    "at most %d tokens", plan.num_tokens, len(chunked), self.scheduler.max_num_batched_tokens // 2)
+                    "at most %d tokens", step.num_tokens, len(chunked), self.scheduler.max_num_batched_tokens // 2)
         self.scheduler.max_num_batched_tokens = max(self.config.max_num_seqs, self.scheduler.max_num_batched_tokens // 2)
         for seq in chunked:
             self.scheduler.preempt(seq)
-        self.batch.remove(chunked)
+        self.running.remove(chunked)
         self.runner.release_cached_memory()
 
     def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,

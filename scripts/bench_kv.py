@@ -114,12 +114,12 @@ def simulated(mode: str, pool_tokens: int = 8192, known_lengths: bool = False) -
         s.add(Sequence(index=i, prompt_token_ids=list(prompt), params=p, seed=0))
     passes = decode = prefill = 0
     while s.has_work():
-        plan = s.schedule()
-        s.update(plan)
-        rows = sum(c.count == 1 and c.start >= c.seq.num_prompt_tokens for c in plan.chunks)
-        passes, decode, prefill = passes + 1, decode + rows, prefill + plan.num_tokens - rows
+        step = s.schedule()
+        s.update(step)
+        rows = sum(c.count == 1 and c.start >= c.seq.num_prompt_tokens for c in step.chunks)
+        passes, decode, prefill = passes + 1, decode + rows, prefill + step.num_tokens - rows
         done = []
-        for c in plan.chunks:
+        for c in step.chunks:
             if c.samples:
                 c.seq.output_token_ids.append(3)
                 if c.seq.num_output_tokens >= c.seq.params.max_tokens:

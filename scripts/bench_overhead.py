@@ -83,7 +83,7 @@ def measure(model_dir: Path, mode: str, rows: int, stops: list[str] | None, real
         llm.add_request(f"row {i}: " + "abcdefgh"[: i % 8], sp)
     steps, overheads, sampling = [], [], []
     while llm.has_unfinished():
-        decode = llm.batch.num_rows > 0 and not llm.scheduler.has_waiting() and all(
+        decode = llm.running.num_rows > 0 and not llm.scheduler.has_waiting() and all(
             s.num_computed_tokens == s.num_tokens - 1 for s in llm.scheduler.running)
         forward_time[0] = sampler_time[0] = 0.0
         start = time.perf_counter()

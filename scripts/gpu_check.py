@@ -10,7 +10,7 @@ each stage's figures (STAGE.json where the stage writes them).
 
     scripts/gpu_check.sh                 # every default stage, bounded at 8 minutes in all
     scripts/gpu_check.sh --from kernels  # a rerun that skips the stages that passed
-    scripts/gpu_check.sh --only bench_quant,bench_8b   # the stages not run by default
+    scripts/gpu_check.sh --only bench_quant,bench_8b,bench_vlm   # the stages not run by default
     scripts/gpu_check.sh --dry-run       # the stages, their bounds and what each runs (no CUDA)
 
 Each stage's bound is twice its estimate; a stage past its bound is cut and marks the check failed.
@@ -98,6 +98,10 @@ STAGES = (
     Stage("bench_8b", 105, ("python3", "scripts/bench_gpu.py", "--workload", "8b", "--json", "{out}/bench_8b.json",
                            "--model-dir", "/tmp/bench_gpu_8b"), (),
           "the 8B workload: the engine against the limit it computes", default=False),
+    Stage("bench_vlm", 60, ("python3", "scripts/bench_vlm.py", "--device", "cuda", "--dtype", "bfloat16",
+                            "--json", "{out}/bench_vlm.json"), (),
+          "images: the Qwen2.5-VL-shaped bench in bf16, the engine against transformers' batched generate",
+          default=False),
 )
 
 

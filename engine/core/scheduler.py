@@ -68,7 +68,7 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """The plan of one forward pass, handed from the scheduler to the model runner."""
+    """What the scheduler chose for one step (one forward pass), handed to the model runner."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """What the pass computes, row by row (running rows first, then newly admitted ones)."""
@@ -150,7 +150,7 @@ class Scheduler:
     def has_waiting(self) -> bool:
         return bool(self.waiting or self.cohort)
 
-    # -- the plan -----------------------------------------------------------------------------
+    # -- choosing a step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -299,10 +299,10 @@ class Scheduler:
 
     # -- after the pass -----------------------------------------------------------------------
 
-    def update(self, plan: SchedulerOutput) -> None:
+    def update(self, step: SchedulerOutput) -> None:
         """The pass ran: its tokens are in the pool, and full blocks get their names (shareable)."""
         bs = self.pool.block_size
-        for chunk in plan.chunks:
+        for chunk in step.chunks:
             seq = chunk.seq
             before = seq.num_computed_tokens // bs
             seq.num_computed_tokens = chunk.start + chunk.count

@@ -2,7 +2,7 @@
 
 Rank 0 is the engine's own process: it tokenizes, schedules and samples. It starts ranks
 1..N-1 as local processes (multiprocessing spawn, as vLLM's multiprocessing executor does; no
-Ray) and sends each of them every step's command over a pipe: the pass plan of the model
+Ray) and sends each of them every step's command over a pipe: the pass inputs of the model
 runner (host arrays, pickled), or a KV pool to create, drop or copy a block in. Every rank then
 runs the same forward pass on its shard, meeting the others in the all-reduces of
 torch.distributed (gloo on CPU, NCCL on CUDA), each with `distributed_timeout_s`.

@@ -47,12 +47,12 @@ def linear_styles(hf_config, n: int) -> dict[str, str]:
     one-line ModelLoadError for an architecture it cannot shard."""
     text = hf_config.get_text_config(decoder=True)
     archs = ", ".join(getattr(hf_config, "architectures", None) or [getattr(text, "model_type", "?")])
-    plan = getattr(text, "base_model_tp_plan", None)
-    if text is not hf_config or not plan:
+    tp_plan = getattr(text, "base_model_tp_plan", None)  # transformers' name for it
+    if text is not hf_config or not tp_plan:
         raise ModelLoadError(f"tensor_parallel_size {n}: {archs} is not supported (it has no tensor-parallel plan "
                              "for its decoder)")
     styles = {}
-    for pattern, style in plan.items():
+    for pattern, style in tp_plan.items():
         leaf = pattern.rsplit(".", 1)[-1]
         kind = FUSED.get(leaf) or STYLES.get(style)
         if kind is None and style == "rowwise_split_input" and leaf in FUSED_ROW:

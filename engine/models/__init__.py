@@ -4,7 +4,7 @@ from engine.models.builtin import (builtin_path, byte_tokenizer, default_cache_d
                                    real_model_file)
 from engine.models.files import (check_model_files, check_weights, copy_remote, is_hub_model, load_tokenizer, read_config,
                                  resolve_model_dir)
-from engine.models.gguf import source_record as gguf_source
+from engine.models.gguf import converted_from as gguf_source
 from engine.models.pooling import PoolingInfo, model_pooling_info, read_pooling_info
 from engine.models.tokenizer import StopStringChecker, Tokenizer, find_stop
 

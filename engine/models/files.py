@@ -102,7 +102,7 @@ def check_model_files(config: EngineConfig) -> Path:
     """Resolves config.model and checks its weights without fetching a Hub model's weights (the
     Hub's file list is checked instead). Returns the directory holding config and tokenizer."""
     path = resolve_model_dir(config, weights=False)
-    if gguf.source_record(path) is not None:
+    if gguf.converted_from(path) is not None:
         return path  # the GGUF header was read: its architecture, tensor types and tokenizer checked
     names = hub.list_files(config.model, config.revision, path) if is_hub_model(config.model) else None
     check_weights(path, config.allow_pickle, names)

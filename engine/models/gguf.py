@@ -30,7 +30,7 @@ from engine.api.errors import ModelLoadError, one_line
 from engine.models.gguf_file import BLOCKS, QUANT_TYPES, GGUFHeader, is_gguf_file, read_header
 
 __all__ = ["read_header", "is_gguf_file", "GGUFHeader", "QUANT_TYPES", "BLOCKS", "converted_dir", "file_digest",
-           "source_record", "build_tokenizer", "hf_config_dict", "CONVERTER_VERSION"]
+           "converted_from", "build_tokenizer", "hf_config_dict", "CONVERTER_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def converted_dir(path: Path, cache_root: Path, dtype: str, *, weights: bool = T
     return target
 
 
-def source_record(model_dir: Path) -> dict | None:
+def converted_from(model_dir: Path) -> dict | None:
     """What a directory converted from a GGUF file records of it (file, digest, tensor types), or None."""
     try:
         return json.loads((Path(model_dir) / "batchinfer_gguf.json").read_text())
@@ -260,7 +260,7 @@ def _write_weights(header: GGUFHeader, config, target: Path, dtype: str) -> None
     from gguf import GGMLQuantizationType, quants
 
     mapping, shapes, needed, processor = _name_map(header, config)
-    plan, extra = [], []
+    order, extra = [], []
     for t in header.tensors:
         name = mapping.get(t.name)
         if name is None:
@@ -269,8 +269,8 @@ def _write_weights(header: GGUFHeader, config, target: Path, dtype: str) -> None
         if tuple(t.shape) != shapes[name]:
             raise ModelLoadError(f"{header.path}: tensor {t.name} has shape {list(t.shape)}, but the metadata's "
                                  f"{config.model_type} config needs {list(shapes[name])} for {name}")
-        plan.append((t, name))
-    missing = sorted(needed - {name for _, name in plan})
+        order.append((t, name))
+    missing = sorted(needed - {name for _, name in order})
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"{header.path}: missing tensor{'s' if len(missing) > 1 else ''} "
@@ -281,7 +281,7 @@ def _write_weights(header: GGUFHeader, config, target: Path, dtype: str) -> None
     torch_dtype = getattr(torch, dtype)
     item = torch.empty((), dtype=torch_dtype).element_size()
     index, offset = {}, 0
-    for t, name in plan:
+    for t, name in order:
         size = item
         for d in t.shape:
             size *= d
@@ -294,7 +294,7 @@ def _write_weights(header: GGUFHeader, config, target: Path, dtype: str) -> None
     with open(target, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for t, name in plan:
+        for t, name in order:
             raw = blob[t.offset:t.offset + t.nbytes]
             if t.ggml_type in BLOCKS:
                 rows = raw.reshape(-1, t.shape[-1] // BLOCKS[t.ggml_type][0] * BLOCKS[t.ggml_type][1])

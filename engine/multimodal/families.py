@@ -19,6 +19,17 @@ class Family:
     """config.json's model_type values it covers."""
     special_tokens: tuple[str, ...] = ()
     """Marker tokens the family's layout is read from."""
+    processor_class: str | None = None
+    """transformers' processor class of a family whose processor also holds a video processor
+    (read without it: engine.multimodal.families.images_only); None: AutoProcessor's."""
+
+    def processor(self, model_dir, trust_remote_code: bool = False):
+        """The model's transformers processor (image processor, tokenizer, chat template)."""
+        from transformers import AutoProcessor
+
+        if self.processor_class is not None:
+            return images_only(self.processor_class).from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
     def image_token_id(self, hf_config) -> int:
         value = getattr(hf_config, "image_token_id", None)
@@ -41,6 +52,14 @@ class Family:
                                              vision_feature_layer=cfg.vision_feature_layer,
                                              vision_feature_select_strategy=cfg.vision_feature_select_strategy)
         return list(out.pooler_output)
+
+    def rope_index(self, model):
+        """What rope_positions needs of the loaded model (None: positions are token indices)."""
+        return None
+
+    def rope_positions(self, batch, rope_index):
+        """A processed prompt's (3, tokens) M-RoPE positions, or None where they are its indices."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,34 @@ class Tiled(Family):
         return out
 
 
-FAMILIES = (Family("LLaVA-1.5", ("llava",)), Tiled("Idefics3", ("idefics3",)))
-"""The families run (Qwen2.5-VL's M-RoPE positions are not run yet)."""
+def images_only(name: str):
+    """transformers' processor class `name` without its video processor: its images are processed
+    and their placeholders expanded by transformers' own code, but a video processor needs
+    torchvision, whose wheels do not load beside the CPU build of torch (and AutoProcessor then
+    hands back the bare tokenizer)."""
+    import transformers
+
+    base = getattr(transformers, name)
+    attributes = [a for a in base.get_attributes() if a != "video_processor"]
+
+    def from_args_and_dict(cls, args, processor_dict, **kwargs):
+        # from_pretrained reads the sub-processors get_attributes names: the video processor goes
+        # in as None (the base's __init__ takes it third; its other settings come by name)
+        return base.from_args_and_dict.__func__(cls, [*args, None], processor_dict, **kwargs)
+
+    return type(f"{name}ForImages", (base,), {"get_attributes": classmethod(lambda cls: list(attributes)),
+                                               "from_args_and_dict": classmethod(from_args_and_dict)})
+
+
+def _families() -> tuple[Family, ...]:
+    from engine.multimodal.qwen import MRope
+
+    return (Family("LLaVA-1.5", ("llava",)), MRope("Qwen2.5-VL", ("qwen2_5_vl",), processor_class="Qwen2_5_VLProcessor"),
+            Tiled("Idefics3", ("idefics3",)), Tiled("SmolVLM", ("smolvlm",), processor_class="SmolVLMProcessor"))
+
+
+FAMILIES = _families()
+"""The families run."""
 VISION_MODEL_TYPES = {"llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3",
                       "smolvlm", "idefics2", "mllama", "paligemma", "gemma3", "pixtral", "mistral3", "internvl",
                       "aya_vision", "llama4", "phi4_multimodal", "blip-2", "chameleon", "fuyu", "kosmos-2"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.multimodal.families import Family
@@ -36,6 +37,11 @@ class ImageSpan:
     pixels: dict | None
     """The vision tower's inputs for this image alone ({"pixel_values": ..., ...}), held until the
     row finishes (a preempted row recomputes from them)."""
+    rope: np.ndarray | None = None
+    """(3, length) M-RoPE positions (time, height, width) of its placeholder tokens where the
+    family has them (Qwen2.5-VL), else None: a token's position is its index."""
+    rope_shift: int = 0
+    """With rope: position minus index of the text tokens after it (up to the next image)."""
 
     @property
     def length(self) -> int:
@@ -93,11 +99,11 @@ class ImageInputs:
     """One vision-language engine's image prompts: its processor, family and limits."""
 
     def __init__(self, model_dir, family: Family, hf_config, policy: MediaPolicy, limit: dict | None,
-                 trust_remote_code: bool = False):
-        from transformers import AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+                 trust_remote_code: bool = False, rope_index=None):
+        self.processor = family.processor(model_dir, trust_remote_code)
         self.family = family
+        self.rope_index = rope_index
+        """The model's M-RoPE position function (Family.rope_index; None where positions are indices)."""
         self.image_token_id = family.image_token_id(hf_config)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.special = {name: tokenizer.convert_tokens_to_ids(name) for name in family.special_tokens}
@@ -131,6 +137,12 @@ class ImageInputs:
         for runs, pixels in zip(groups, self.family.image_pixels(batch, [len(g) for g in groups])):
             digest = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in pixels.values())).hexdigest()
             spans.append(ImageSpan(tuple(runs), digest, pixels))
+        if self.rope_index is not None and spans:
+            positions = self.family.rope_positions(batch, self.rope_index)
+            for span in spans:
+                span.rope = positions[:, [p for start, n in span.runs for p in range(start, start + n)]]
+                after = span.end  # the first token past the image: its position minus its index
+                span.rope_shift = int(positions[0, after] - after) if after < len(ids) else int(span.rope.max()) + 1 - after
         return ids, spans
 
 

@@ -62,7 +62,7 @@ class VisionFeatures:
 
     def embed(self, model, input_ids: torch.Tensor, images: list) -> torch.Tensor:
         """The pass's input embeddings (1, T, H): the tokens' own, and at each image placeholder
-        the image's embedding. `images`: the plan's (pass index, count, feature offset, ImageSpan)."""
+        the image's embedding. `images`: PassInputs.images, (pass index, count, feature offset, ImageSpan)."""
         embeds = model.get_input_embeddings()(input_ids)
         feats = self.features(model, [span for *_, span in images])
         for index, count, offset, span in images:

@@ -79,26 +79,26 @@ class DecodeGraphs:
         """Decode passes run from the static buffers (replayed, or eagerly with capture=False)."""
         self._buffers: dict[str, torch.Tensor] | None = None
 
-    def eligible(self, plan) -> bool:
-        """Whether `plan` (a PassPlan) is a decode pass a graph can run: one token per row, every
-        row sampling, no LongRoPE factors, within the buffers."""
-        n = len(plan.tokens)
-        return (not self.failed and not plan.spans and plan.small is None and plan.long_tokens is None
-                and plan.images is None
-                and plan.keep is not None and len(plan.keep) == n == plan.tables.shape[0]
-                and 0 < n <= self.max_rows and plan.keep[-1] == n - 1
-                and plan.tables.shape[1] <= self.max_blocks)
+    def eligible(self, inputs) -> bool:
+        """Whether `inputs` (a PassInputs) is a decode pass a graph can run: one token per row, every
+        row sampling, no LongRoPE factors or M-RoPE positions, within the buffers."""
+        n = len(inputs.tokens)
+        return (not self.failed and not inputs.spans and inputs.small is None and inputs.long_tokens is None
+                and inputs.images is None and inputs.rope is None
+                and inputs.keep is not None and len(inputs.keep) == n == inputs.tables.shape[0]
+                and 0 < n <= self.max_rows and inputs.keep[-1] == n - 1
+                and inputs.tables.shape[1] <= self.max_blocks)
 
-    def run(self, cache, plan) -> torch.Tensor | None:
-        """Logits (n, V) float32 of the decode pass `plan`, or None to run it eagerly. The
+    def run(self, cache, inputs) -> torch.Tensor | None:
+        """Logits (n, V) float32 of the decode pass `inputs`, or None to run it eagerly. The
         logits are a view of the static output: read them before the next pass."""
         if not cache.allocated:
             return None
         if cache is not self.cache:
             self._reset(cache)
-        n = len(plan.tokens)
+        n = len(inputs.tokens)
         b = next(size for size in self.buckets if size >= n)
-        self._fill(plan, n, b, cache)
+        self._fill(inputs, n, b, cache)
         if not self.capture:
             self._forward(b, cache)
         else:
@@ -126,16 +126,16 @@ class DecodeGraphs:
                 "ctx": torch.ones(rows, dtype=torch.int32, device=dev),
                 "logits": torch.zeros((rows, self.runner.vocab_size), dtype=torch.float32, device=dev)}
 
-    def _fill(self, plan, n: int, b: int, cache) -> None:
+    def _fill(self, inputs, n: int, b: int, cache) -> None:
         """Copies the pass's rows into the static inputs and pads rows n..b onto the spare block."""
         if self._buffers is None:
             self._buffers = self._allocate()
         buf = self._buffers
-        buf["ids"][0, :n].copy_(torch.tensor(plan.tokens, dtype=torch.int64), non_blocking=True)
-        buf["positions"][0, :n].copy_(torch.from_numpy(plan.positions), non_blocking=True)
-        buf["slots"][:n].copy_(torch.from_numpy(plan.slots), non_blocking=True)
-        buf["ctx"][:n].copy_(torch.from_numpy(plan.ctx), non_blocking=True)
-        buf["tables"][:n, : plan.tables.shape[1]].copy_(torch.from_numpy(plan.tables), non_blocking=True)
+        buf["ids"][0, :n].copy_(torch.tensor(inputs.tokens, dtype=torch.int64), non_blocking=True)
+        buf["positions"][0, :n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
+        buf["slots"][:n].copy_(torch.from_numpy(inputs.slots), non_blocking=True)
+        buf["ctx"][:n].copy_(torch.from_numpy(inputs.ctx), non_blocking=True)
+        buf["tables"][:n, : inputs.tables.shape[1]].copy_(torch.from_numpy(inputs.tables), non_blocking=True)
         if b > n:
             scratch = cache.scratch_block
             buf["ids"][0, n:b] = 0
@@ -158,7 +158,7 @@ class DecodeGraphs:
     def _capture(self, b: int, cache) -> "torch.cuda.CUDAGraph | None":
         started = time.perf_counter()
         try:
-            graph = self._record(b, cache)
+            graph = self._capture_pass(b, cache)
             why = None if self.checked else self._check_replay(graph, b, cache)
         except Exception as exc:  # noqa: BLE001  any capture failure: decode eagerly instead
             why = one_line(exc)
@@ -179,7 +179,7 @@ class DecodeGraphs:
         self.capture_seconds += time.perf_counter() - started
         return graph
 
-    def _record(self, b: int, cache) -> "torch.cuda.CUDAGraph":
+    def _capture_pass(self, b: int, cache) -> "torch.cuda.CUDAGraph":
         """Bucket b's decode pass captured into a graph (its inputs already in the buffers)."""
         if b not in self.warmed:
             # Each bucket once, on a side stream, before its capture: loading a kernel (a

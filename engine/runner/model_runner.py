@@ -27,7 +27,7 @@ from engine.runner.loader import (check_architecture, load_model, load_model_qua
                                   prepare_load)
 from engine.runner.memory import LoadPeak, used_before_load
 from engine.runner.onednn import pack_linears, pack_lm_head
-from engine.runner.pass_plan import PassPlan, build_plan
+from engine.runner.pass_inputs import PassInputs, build_inputs
 from engine.runner.rope import rowwise_longrope
 
 log = logging.getLogger(__name__)
@@ -248,33 +248,33 @@ class ModelRunner:
 
     def metadata(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[PassMetadata, list[int], np.ndarray]:
         """The pass's pool addressing, plus its input tokens (a host list) and positions."""
-        plan = self.plan(chunks, block_size)
-        return self._device_metadata(plan), plan.tokens, plan.positions
+        inputs = self.pass_inputs(chunks, block_size)
+        return self._device_metadata(inputs), inputs.tokens, inputs.positions
 
-    def plan(self, chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
-             all_logits: bool = False) -> PassPlan:
+    def pass_inputs(self, chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
+             all_logits: bool = False) -> PassInputs:
         """Everything a forward pass over `chunks` needs, as host arrays (sent to the other ranks)."""
-        return build_plan(chunks, block_size, keep, all_logits, self.longrope)
+        return build_inputs(chunks, block_size, keep, all_logits, self.longrope)
 
-    def _device_metadata(self, plan: PassPlan) -> PassMetadata:
+    def _device_metadata(self, inputs: PassInputs) -> PassMetadata:
         dev = self.device
         return PassMetadata(
-            slot_mapping=torch.from_numpy(plan.slots).to(dev), block_tables=torch.from_numpy(plan.tables).to(dev),
-            token_row=torch.from_numpy(plan.rows).to(dev), ctx=torch.from_numpy(plan.ctx).to(dev),
-            max_ctx=plan.max_ctx, small=None if plan.small is None else torch.from_numpy(plan.small).to(dev),
-            chunks=plan.spans)
+            slot_mapping=torch.from_numpy(inputs.slots).to(dev), block_tables=torch.from_numpy(inputs.tables).to(dev),
+            token_row=torch.from_numpy(inputs.rows).to(dev), ctx=torch.from_numpy(inputs.ctx).to(dev),
+            max_ctx=inputs.max_ctx, small=None if inputs.small is None else torch.from_numpy(inputs.small).to(dev),
+            chunks=inputs.spans)
 
     @torch.inference_mode()
     def run(self, cache: PagedKVCache, chunks: list[ScheduledChunk], keep: list[int] | None = None,
             all_logits: bool = False) -> torch.Tensor | None:
         """One forward pass over `chunks` (on every rank). Returns float32 logits (k, V) at the last
         token of each chunk that samples (or at token indices `keep`), or (T, V) with all_logits."""
-        plan = self.plan(chunks, cache.block_size, keep, all_logits)
+        inputs = self.pass_inputs(chunks, cache.block_size, keep, all_logits)
         if self.ranks is None:
-            return self.forward(cache, plan)
-        self.ranks.send("run", cache.key, plan)
+            return self.forward(cache, inputs)
+        self.ranks.send("run", cache.key, inputs)
         try:
-            return self.forward(cache, plan)
+            return self.forward(cache, inputs)
         except BaseException as exc:  # the ranks are mid-pass or gone: none can be resumed
             error = self.ranks.failure(exc)
             if not isinstance(exc, Exception):
@@ -282,25 +282,25 @@ class ModelRunner:
             raise error from exc
 
     @torch.inference_mode()
-    def forward(self, cache: PagedKVCache, plan: PassPlan) -> torch.Tensor | None:
-        """The pass of `plan` on this rank's shard; logits on rank 0 (None on the others, or
+    def forward(self, cache: PagedKVCache, inputs: PassInputs) -> torch.Tensor | None:
+        """The pass of `inputs` on this rank's shard; logits on rank 0 (None on the others, or
         when no token is kept). A decode pass replays a CUDA graph where one serves it."""
-        if self.graphs is not None and plan.lora_slots is None and self.graphs.eligible(plan):
-            logits = self.graphs.run(cache, plan)
+        if self.graphs is not None and inputs.lora_slots is None and self.graphs.eligible(inputs):
+            logits = self.graphs.run(cache, inputs)
             if logits is not None:
                 return logits
-        meta = self._device_metadata(plan)
-        keep = plan.keep
+        meta = self._device_metadata(inputs)
+        keep = inputs.keep
         if self.longrope is not None:
-            self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
-                plan.long_tokens).to(self.device)
+            self.longrope.long_tokens = None if inputs.long_tokens is None else torch.from_numpy(
+                inputs.long_tokens).to(self.device)
         index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.device)
         wanted = index if keep is None or keep else torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.lora is not None:
-            self.lora.context.begin(plan.lora_slots)
+            self.lora.context.begin(inputs.lora_slots)
         try:
-            logits = self.model_logits(cache, meta, torch.tensor([plan.tokens], device=self.device),
-                                       torch.from_numpy(plan.positions[None]).to(self.device), wanted, plan.images)
+            logits = self.model_logits(cache, meta, torch.tensor([inputs.tokens], device=self.device),
+                                       inputs.position_ids(self.device), wanted, inputs.images)
         finally:
             if self.lora is not None:
                 self.lora.context.end()
@@ -316,18 +316,18 @@ class ModelRunner:
         written to the pool as any pass writes them): the decoder's body without its head."""
         if self.ranks is not None:
             raise ModelLoadError("pooling runs with tensor_parallel_size 1")
-        plan = self.plan(chunks, cache.block_size, all_logits=True)
-        meta = self._device_metadata(plan)
+        inputs = self.pass_inputs(chunks, cache.block_size, all_logits=True)
+        meta = self._device_metadata(inputs)
         if self.longrope is not None:
-            self.longrope.long_tokens = None if plan.long_tokens is None else torch.from_numpy(
-                plan.long_tokens).to(self.device)
+            self.longrope.long_tokens = None if inputs.long_tokens is None else torch.from_numpy(
+                inputs.long_tokens).to(self.device)
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
-                  "position_ids": torch.from_numpy(plan.positions[None]).to(self.device)}
+                  "position_ids": inputs.position_ids(self.device)}
         cache.meta = meta
         if self.lora is not None:
-            self.lora.context.begin(plan.lora_slots)
+            self.lora.context.begin(inputs.lora_slots)
         try:
-            out = self.model.base_model(input_ids=torch.tensor([plan.tokens], device=self.device), **kwargs)
+            out = self.model.base_model(input_ids=torch.tensor([inputs.tokens], device=self.device), **kwargs)
         finally:
             cache.meta = None
             if self.lora is not None:
@@ -336,9 +336,9 @@ class ModelRunner:
 
     def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
                      position_ids: torch.Tensor, keep: torch.Tensor | None = None, images=None) -> torch.Tensor:
-        """The model's forward over one packed pass: input_ids, position_ids (1, T) on the
-        device. Returns its logits (k, V) in the model's dtype: at token indices `keep` where the
-        model takes logits_to_keep, else at every token. `images` (PassPlan.images): the image
+        """The model's forward over one packed pass: input_ids, position_ids (1, T), or (3, 1, T)
+        with M-RoPE, on the device. Returns its logits (k, V) in the model's dtype: at token indices `keep` where the
+        model takes logits_to_keep, else at every token. `images` (PassInputs.images): the image
         placeholders' embeddings come from the vision tower (engine.multimodal.VisionFeatures)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
                   "position_ids": position_ids}

@@ -26,7 +26,7 @@ def logprob_columns(logprobs: torch.Tensor, tokens: torch.Tensor, n: int) -> lis
     return columns
 
 
-def record_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
+def append_logprobs(seqs: list[Sequence], host: np.ndarray, n: int) -> None:
     """Appends each row's entry for its newest token, and that token's rank, from the transfer's
     logprob rows (`host`: chosen, its rank, then n top values, then n top token ids, one column
     per row of `seqs`)."""

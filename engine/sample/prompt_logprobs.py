@@ -21,7 +21,7 @@ from engine.sample.token_options import indexes_on
 
 
 @dataclass
-class PromptLogprobPlan:
+class PromptLogprobRows:
     """Which logits a pass keeps when some chunk collects prompt logprobs."""
 
     keep: list[int]
@@ -32,7 +32,7 @@ class PromptLogprobPlan:
     """(row, first returned logits row, count): logits rows predicting the row's next prompt entries."""
 
 
-def plan_prompt_logprobs(chunks: list[ScheduledChunk]) -> PromptLogprobPlan | None:
+def prompt_logprob_rows(chunks: list[ScheduledChunk]) -> PromptLogprobRows | None:
     """The pass's kept logits, or None when no chunk collects prompt logprobs (the usual pass)."""
     keep: list[int] = []
     sampling: list[int] = []
@@ -53,15 +53,15 @@ def plan_prompt_logprobs(chunks: list[ScheduledChunk]) -> PromptLogprobPlan | No
         offset += c.count
     if not collect:
         return None
-    return PromptLogprobPlan(keep, sampling, collect)
+    return PromptLogprobRows(keep, sampling, collect)
 
 
 
 
-def record_prompt_logprobs(plan: PromptLogprobPlan, logits: torch.Tensor) -> None:
+def collect_prompt_logprobs(rows: PromptLogprobRows, logits: torch.Tensor) -> None:
     """Appends each collecting row's entries, {token id: logprob} for the prompt token (first)
     and its top-N alternatives, from the pass's kept logits (one host transfer per row)."""
-    for seq, start, n in plan.collect:
+    for seq, start, n in rows.collect:
         targets = seq.prompt_token_ids[len(seq.prompt_logprobs):len(seq.prompt_logprobs) + n]
         index = indexes_on(targets, logits.device)[:, None]
         lp = torch.log_softmax(logits[start:start + n].float(), dim=-1)  # a view, then one (n, V) result

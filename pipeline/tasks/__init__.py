@@ -6,7 +6,7 @@ from pipeline.tasks.engines import (ENGINE_FACTS, build_engine, empty_device_cac
 from pipeline.tasks.openai_requests import BatchRequest, parse_messages, parse_request
 from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, output_lines, request_for, response_line
 from pipeline.tasks.prompts import PromptBuilder, check_prompt, parse_template
-from pipeline.tasks.records import RowResult
+from pipeline.tasks.row_result import RowResult
 from pipeline.tasks.scoring import Normalizer, extract_answer, group_key, normalize, score_columns, score_row
 from pipeline.tasks.table import COLUMN_TYPES, column_type, output_table
 from pipeline.tasks.task_runner import NO_MATCH, TaskRunner, row_seed

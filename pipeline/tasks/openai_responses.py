@@ -14,7 +14,7 @@ from pipeline.tasks.openai_pooling import response_body as pooling_body
 from pipeline.tasks.openai_requests import CHAT_URL, COMPLETIONS_URL, URLS, BatchRequest
 
 if TYPE_CHECKING:
-    from pipeline.tasks.records import RowResult
+    from pipeline.tasks.row_result import RowResult
 
 INVALID_REQUEST = "invalid_request"
 """error_line code for a line that could not be parsed or validated."""

@@ -12,7 +12,7 @@ from pipeline.tasks.label_fields import fields_type
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
-    from pipeline.tasks.records import RowResult
+    from pipeline.tasks.row_result import RowResult
 
 _SCORES = pa.list_(pa.float64())
 COLUMN_TYPES = {"generated_text": pa.string(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),

@@ -29,7 +29,7 @@ from pipeline.tasks.openai_pooling import run_lines
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
 from pipeline.tasks.prompts import PromptBuilder
-from pipeline.tasks.records import RowResult
+from pipeline.tasks.row_result import RowResult
 
 if TYPE_CHECKING:
     from engine import LLMEngine

@@ -56,8 +56,8 @@ def test_only_decode_passes_that_sample_every_row_are_eligible():
     seen = []
     original = graphs.eligible
 
-    def spy(plan):
-        seen.append((len(plan.tokens), original(plan)))
+    def spy(inputs):
+        seen.append((len(inputs.tokens), original(inputs)))
         return seen[-1][1]
 
     graphs.eligible = spy

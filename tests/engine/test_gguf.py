@@ -54,7 +54,7 @@ def test_each_family_converts_to_the_weights_transformers_gguf_load_gives(files,
     assert set(a) == set(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    record = gguf.source_record(converted)
+    record = gguf.converted_from(converted)
     assert record["file"] == path.name and set(record["tensor_types"]) == {"F32", "F16", "Q8_0", "Q4_0", "Q4_1",
                                                                            "Q5_0", "Q5_1"}
 
@@ -157,10 +157,10 @@ def test_a_gguf_in_a_directory_by_gguf_file_and_a_hub_repo_by_quant_tag(files, t
     with pytest.raises(ModelLoadError, match="holds 2 GGUF files .* name one with engine.gguf_file"):
         resolve_model_dir(EngineConfig(model=str(repo)))
     named = resolve_model_dir(EngineConfig(model=str(repo), gguf_file="tiny-llama-Q8_0.gguf"))
-    assert gguf.source_record(named)["file"] == "tiny-llama-Q8_0.gguf"
+    assert gguf.converted_from(named)["file"] == "tiny-llama-Q8_0.gguf"
     hub_model("testorg/tiny-gguf", repo)
     tagged = resolve_model_dir(EngineConfig(model="testorg/tiny-gguf:Q4_1"))
-    assert gguf.source_record(tagged)["file"] == "tiny-llama-Q4_1.gguf"
+    assert gguf.converted_from(tagged)["file"] == "tiny-llama-Q4_1.gguf"
     with pytest.raises(ModelLoadError, match="no GGUF files match 'Q6_K'"):
         resolve_model_dir(EngineConfig(model="testorg/tiny-gguf:Q6_K"))
 

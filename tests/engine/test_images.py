@@ -1,5 +1,5 @@
-"""Images in prompts (engine.multimodal), held to transformers: a tiny random LLaVA-1.5 built here
-(tests/engine/vlm_models.py) gives the greedy tokens of transformers' `generate` on the same
+"""Images in prompts (engine.multimodal), held to transformers: tiny random LLaVA-1.5, Qwen2.5-VL
+(M-RoPE positions) and Idefics3 models built here (tests/engine/vlm_models.py) give the greedy tokens of transformers' `generate` on the same
 prompt and images, in both scheduling modes, with prefix caching on and off, through a pool small
 enough to preempt and a pass budget small enough to split an image's prefill; two images under one
 prompt never share a cached block; chat messages with image_url and image_pil parts; and every
@@ -13,7 +13,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from engine import LLM, EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from engine.multimodal import MediaPolicy, family_of, load_image
 from parity import ForgivenRows, assert_same_tokens
-from vlm_models import build_idefics3, build_llava, data_url, images, png_bytes
+from vlm_models import (build_idefics3, build_llava, build_qwen2_5_vl, build_smolvlm, data_url, images, png_bytes,
+                        without_video)
 
 PROMPTS = ["USER: <image>\nWhat is in the picture? ASSISTANT:", "USER: <image>\nDescribe it. ASSISTANT:",
            "USER: Look at this: <image>\nAnd say what colour it is. ASSISTANT:",
@@ -21,13 +22,19 @@ PROMPTS = ["USER: <image>\nWhat is in the picture? ASSISTANT:", "USER: <image>\n
 TILED = [p.replace("USER: ", "User:").replace("\n", "").replace(" ASSISTANT:", "<end_of_utterance>\nAssistant:")
          for p in PROMPTS]
 """Idefics3's prompts (each <image> becomes its tiles' and the whole image's placeholder runs)."""
+QWEN = [p.replace("USER: ", "<|im_start|>user\n").replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+        .replace(" ASSISTANT:", "<|im_end|>\n<|im_start|>assistant\n") for p in PROMPTS]
+"""Qwen2.5-VL's prompts (each <|image_pad|> becomes as many as the image's merged patches)."""
+FAMILY_PROMPTS = {"llava": PROMPTS, "qwen2_5_vl": QWEN, "idefics3": TILED, "smolvlm": TILED}
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory):
     return {"llava": str(build_llava(tmp_path_factory.mktemp("llava"))),
-            "idefics3": str(build_idefics3(tmp_path_factory.mktemp("idefics3")))}
+            "qwen2_5_vl": str(build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))),
+            "idefics3": str(build_idefics3(tmp_path_factory.mktemp("idefics3"))),
+            "smolvlm": str(build_smolvlm(tmp_path_factory.mktemp("smolvlm")))}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +52,21 @@ def reference(references):
     return references["llava"]
 
 
+def processor_for(path: str):
+    """transformers' processor of a test model (Qwen2.5-VL's and SmolVLM's without their video processor)."""
+    for family, name in (("qwen2_5_vl", "Qwen2_5_VLProcessor"), ("smolvlm", "SmolVLMProcessor")):
+        if family in path:
+            return without_video(name).from_pretrained(path)
+    return AutoProcessor.from_pretrained(path)
+
+
 def reference_for(path: str):
-    processor = AutoProcessor.from_pretrained(path)
+    processor = processor_for(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
     def run(prompt: str, pictures: list, add_special_tokens: bool = True):
-        images = [pictures] if "idefics3" in type(model).__name__.lower() else pictures  # a list per prompt
+        tiled = any(name in type(model).__name__.lower() for name in ("idefics3", "smolvlm"))
+        images = [pictures] if tiled else pictures  # a list per prompt
         inputs = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                              output_scores=True, return_dict_in_generate=True)
@@ -74,7 +90,7 @@ def engine(llava, **kw) -> LLMEngine:
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "idefics3", "smolvlm"])
 @pytest.mark.parametrize("case", ["static", "continuous", "no-prefix-cache", "preempting-pool", "split-prefill"])
 def test_greedy_tokens_equal_transformers_generate(vlms, references, tally, case, family):
     kw = {"static": {}, "continuous": {"scheduling": "continuous"},
@@ -83,11 +99,11 @@ def test_greedy_tokens_equal_transformers_generate(vlms, references, tally, case
           "preempting-pool": {"scheduling": "continuous", "max_batch_tokens": 160},
           # a pass of 16 tokens: each image's 25 placeholder positions are cut across passes
           "split-prefill": {"scheduling": "continuous", "max_num_batched_tokens": 16}}[case]
-    if family == "idefics3" and case == "preempting-pool":  # its prompts hold 4-5 tiles of 4 tokens each
-        kw["max_batch_tokens"] = 200
+    if case == "preempting-pool" and family != "llava":  # Idefics3: 4-5 tiles of 4 tokens; Qwen: 4-9 tokens
+        kw["max_batch_tokens"] = {"idefics3": 200, "smolvlm": 200, "qwen2_5_vl": 100}[family]
     llm = engine(vlms[family], **kw)
     pictures = images()
-    prompts = PROMPTS if family == "llava" else TILED
+    prompts = FAMILY_PROMPTS[family]
     outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, pictures)],
                         GREEDY)
     for prompt, picture, out in zip(prompts, pictures, outs):
@@ -115,18 +131,21 @@ def test_two_images_under_one_prompt_never_share_a_block_and_one_image_does(llav
     assert llm.runner.vision.images_encoded == 2  # and its embeddings, from the cache
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "idefics3", "smolvlm"])
 def test_several_images_in_one_prompt(vlms, references, tally, family):
     llm = engine(vlms[family])
     pictures = images()[:3]
-    prompt = ("USER: <image>\n<image>\nCompare: <image>\nASSISTANT:" if family == "llava" else
-              "User:<image><image>Compare:<image><end_of_utterance>\nAssistant:")
+    prompt = {"llava": "USER: <image>\n<image>\nCompare: <image>\nASSISTANT:",
+              "qwen2_5_vl": "<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "Compare: "
+                            "<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
+              "idefics3": "User:<image><image>Compare:<image><end_of_utterance>\nAssistant:"}.get(
+        family, "User:<image><image>Compare:<image><end_of_utterance>\nAssistant:")
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": pictures}}, GREEDY)[0]
     assert out.error is None, out.error
     want, scores = references[family](prompt, pictures)
     assert_same_tokens(out.token_ids, want, scores, f"{family}: three images", tally)
     spans = llm.images.prepare(prompt, pictures)[1]
-    assert [len(s.runs) for s in spans] == ([1, 1, 1] if family == "llava" else [5, 3, 3])  # tiles + whole image
+    assert [len(s.runs) for s in spans] == ([5, 3, 3] if family in ("idefics3", "smolvlm") else [1, 1, 1])  # tiles
 
 
 def test_chat_messages_with_image_url_and_image_pil_parts(llava, reference, tally):
@@ -216,11 +235,12 @@ def test_an_image_sent_to_a_text_only_model_fails_that_row():
 
 
 def test_families_not_run_and_settings_images_do_not_take_are_refused_in_one_line(llava):
-    from transformers import Qwen2_5_VLConfig
+    from transformers import LlavaNextConfig
 
-    with pytest.raises(ValueError, match=r"qwen2_5_vl vision-language models are not run yet; the engine runs "
-                                         r"LLaVA-1.5 \(llava\), Idefics3 \(idefics3\)"):
-        family_of(Qwen2_5_VLConfig())
+    with pytest.raises(ValueError, match=r"llava_next vision-language models are not run yet; the engine runs "
+                                         r"LLaVA-1.5 \(llava\), Qwen2.5-VL \(qwen2_5_vl\), Idefics3 \(idefics3\), "
+                                         r"SmolVLM \(smolvlm\)"):
+        family_of(LlavaNextConfig())
     with pytest.raises(ModelLoadError, match="LLaVA-1.5 models run without quantization for now"):
         engine(llava, quantization="int8")
 
@@ -270,26 +290,75 @@ def test_an_images_pieces_follow_its_runs_across_a_chunk():
     assert list(span.pieces(14, 20)) == []
 
 
-def test_choice_scores_over_an_image_equal_transformers_loglikelihoods(llava):
-    llm = engine(llava)
-    processor = AutoProcessor.from_pretrained(llava)
-    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_choice_scores_over_an_image_equal_transformers_loglikelihoods(vlms, family):
+    llm = engine(vlms[family])
+    processor = processor_for(vlms[family])
+    model = AutoModelForImageTextToText.from_pretrained(vlms[family], dtype=torch.float32).eval()
     pictures = images()[:2]
     choices = [" red", " blue", " a cat"]
-    rows = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": pictures[i]}} for i in range(2)]  # one text
+    prompt = FAMILY_PROMPTS[family][0]
+    rows = [{"prompt": prompt, "multi_modal_data": {"image": pictures[i]}} for i in range(2)]  # one text
     scores = llm.score_choices(rows + ["plain text row"], [choices] * 3)
     assert scores[2].error is None
     for i, picture in enumerate(pictures):
         assert scores[i].error is None, scores[i].error
-        inputs = processor(text=PROMPTS[0], images=[picture], return_tensors="pt")
+        inputs = processor(text=prompt, images=[picture], return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         for choice, got in zip(choices, scores[i].logprobs):
             tokens = llm.tokenizer.encode_continuation(choice)
             full = torch.tensor([ids + tokens])
+            extra = {}
+            if "image_grid_thw" in inputs:  # Qwen2.5-VL: its M-RoPE positions run on past the prompt
+                extra = {"image_grid_thw": inputs["image_grid_thw"],
+                         "mm_token_type_ids": torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(tokens)))}
             with torch.no_grad():
                 logits = model(input_ids=full, pixel_values=inputs["pixel_values"],
-                               attention_mask=torch.ones_like(full)).logits[0]
+                               attention_mask=torch.ones_like(full), **extra).logits[0]
             logp = torch.log_softmax(logits.float(), dim=-1)
             want = sum(float(logp[len(ids) - 1 + k, t]) for k, t in enumerate(tokens))
             assert abs(got - want) < 1e-3, (choice, got, want)
     assert scores[0].logprobs != scores[1].logprobs  # one text, two images: each image was read
+
+
+def test_qwen2_5_vl_chat_with_image_url_parts_equals_transformers(vlms, references, tally):
+    path = vlms["qwen2_5_vl"]
+    llm = LLM(model=path, dtype="float32", device="cpu", max_num_seqs=4)
+    pictures = images()
+    conversation = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(pictures[1])}},
+                                                 {"type": "text", "text": "Describe "},
+                                                 {"type": "image_pil", "image_pil": pictures[2]}]}]
+    out = llm.chat([conversation], GREEDY)[0]
+    rendered = [{**m, "content": [{"type": "image"} if c["type"] != "text" else c for c in m["content"]]}
+                for m in conversation]
+    text = processor_for(path).apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    assert text.count("<|image_pad|>") == 2
+    want, scores = references["qwen2_5_vl"](text, pictures[1:3], add_special_tokens=False)
+    assert_same_tokens(list(out.outputs[0].token_ids), want, scores, "qwen chat", tally)
+
+
+def test_a_finished_rows_pixels_are_dropped_and_the_engine_lets_the_row_go(vlms):
+    """A long continuous batch holds its live rows only: a finished row's pixel values are dropped
+    (its embeddings stay in the bounded cache) and the batch's figures keep no reference to it."""
+    import gc
+    import weakref
+
+    llm = engine(vlms["qwen2_5_vl"], scheduling="continuous")
+    pictures = images()
+    short = llm.add_request({"prompt": QWEN[0], "multi_modal_data": {"image": pictures[0]}},
+                            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    long = llm.add_request({"prompt": QWEN[1], "multi_modal_data": {"image": pictures[1]}},
+                           SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while short.finish_reason is None:
+        llm.step()
+    assert long.finish_reason is None  # still running
+    assert short.images[0].pixels is None and long.images[0].pixels is not None
+    pixels = weakref.ref(long.images[0].pixels["pixel_values"])
+    gone = weakref.ref(short)
+    del short
+    gc.collect()
+    assert gone() is None  # nothing in the engine holds the finished row
+    while llm.has_unfinished():
+        llm.step()
+    assert long.images[0].pixels is None and pixels() is None
+    assert llm.batch_stats[-1].generated_tokens == 22  # both rows counted after the first let go

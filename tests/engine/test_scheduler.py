@@ -17,12 +17,12 @@ def scheduler(blocks: int, rows: int = 64, batched: int = 1024, continuous: bool
                      max_num_batched_tokens=batched, continuous=continuous)
 
 
-def run(s: Scheduler, plan, sample_token: int = 7) -> list[Sequence]:
+def run(s: Scheduler, step, sample_token: int = 7) -> list[Sequence]:
     """What the engine does after a pass: tokens computed, one sampled per finished chunk,
     rows at max_tokens finished."""
-    s.update(plan)
+    s.update(step)
     done = []
-    for c in plan.chunks:
+    for c in step.chunks:
         if c.samples:
             c.seq.output_token_ids.append(sample_token)
             if c.seq.num_output_tokens >= c.seq.params.max_tokens:
@@ -37,9 +37,9 @@ def test_rows_are_admitted_for_what_they_need_now_not_prompt_plus_max_tokens():
     s = scheduler(blocks=40)
     for i in range(10):
         s.add(seq(i, 8, max_tokens=100))
-    plan = s.schedule()
-    assert len(plan.admitted) == 10 and all(len(q.block_ids) == 3 for q in plan.admitted)
-    assert plan.num_tokens == 80 and all(c.samples for c in plan.chunks)
+    step = s.schedule()
+    assert len(step.admitted) == 10 and all(len(q.block_ids) == 3 for q in step.admitted)
+    assert step.num_tokens == 80 and all(c.samples for c in step.chunks)
 
 
 def test_long_prompts_are_cut_into_chunks_and_decode_rows_go_first():
@@ -47,29 +47,29 @@ def test_long_prompts_are_cut_into_chunks_and_decode_rows_go_first():
     s.add(seq(0, 10))
     run(s, s.schedule())  # row 0 prefilled and sampled
     s.add(seq(1, 70))
-    plan = s.schedule()
-    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 10, 1), (1, 0, 31)]
-    assert not plan.chunks[1].samples
-    run(s, plan)
-    plan = s.schedule()
-    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 11, 1), (1, 31, 31)]
-    run(s, plan)
-    plan = s.schedule()
-    assert [(c.seq.index, c.start, c.count) for c in plan.chunks] == [(0, 12, 1), (1, 62, 8)] and plan.chunks[1].samples
+    step = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in step.chunks] == [(0, 10, 1), (1, 0, 31)]
+    assert not step.chunks[1].samples
+    run(s, step)
+    step = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in step.chunks] == [(0, 11, 1), (1, 31, 31)]
+    run(s, step)
+    step = s.schedule()
+    assert [(c.seq.index, c.start, c.count) for c in step.chunks] == [(0, 12, 1), (1, 62, 8)] and step.chunks[1].samples
 
 
 def test_when_the_pool_runs_out_the_most_recently_admitted_row_is_preempted_and_resumed():
     s = scheduler(blocks=6)
     a, b = seq(0, 8, max_tokens=12), seq(1, 8, max_tokens=12)
     s.add(a), s.add(b)
-    plan = s.schedule()
-    assert plan.admitted == [a, b]  # 3 blocks each: the pool is full
-    run(s, plan)
+    step = s.schedule()
+    assert step.admitted == [a, b]  # 3 blocks each: the pool is full
+    run(s, step)
     preempted = []
     while s.has_work():
-        plan = s.schedule()
-        preempted += plan.preempted
-        run(s, plan)
+        step = s.schedule()
+        preempted += step.preempted
+        run(s, step)
     assert preempted and preempted[0] is b and a.preemptions == 0 and b.preemptions >= 1
     assert a.num_output_tokens == 12 and b.num_output_tokens == 12
     assert s.pool.num_free == 6 and s.preemptions == len(preempted)
@@ -85,9 +85,9 @@ def test_a_preempted_row_comes_back_with_its_output_as_prompt():
     assert b.status is Status.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
     kept = b.num_output_tokens
     while b.status is not Status.RUNNING:
-        plan = s.schedule()
-        run(s, plan)
-    back = next(c for c in plan.chunks if c.seq is b)
+        step = s.schedule()
+        run(s, step)
+    back = next(c for c in step.chunks if c.seq is b)
     assert back.start == 0 and back.count == 8 + kept  # prompt and output so far, recomputed
 
 
@@ -101,12 +101,12 @@ def test_static_batches_admit_no_new_row_until_they_drain():
     run(s, first)
     seen = set()
     while s.has_work():
-        plan = s.schedule()
-        if plan.admitted:
-            seen.add(plan.admitted[0].index)
+        step = s.schedule()
+        if step.admitted:
+            seen.add(step.admitted[0].index)
             assert not s.running[:-1] or all(q.status is Status.RUNNING for q in s.running)
             assert len(s.running) == 1  # the third joins only once the first batch drained
-        run(s, plan)
+        run(s, step)
     assert seen == {0}  # longest first: rows 2 and 1 formed the first batch
 
 
@@ -128,13 +128,13 @@ def test_rows_sharing_an_uncomputed_prefix_wait_for_the_first_to_compute_it():
             for i in range(3)]
     for r in rows:
         s.add(r)
-    plan = s.schedule()
-    assert len(plan.admitted) == 1
-    run(s, plan)
-    plan = s.schedule()  # the prefix is named now: the others take its blocks
-    others = [r for r in plan.admitted]
+    step = s.schedule()
+    assert len(step.admitted) == 1
+    run(s, step)
+    step = s.schedule()  # the prefix is named now: the others take its blocks
+    others = [r for r in step.admitted]
     assert len(others) == 2 and all(r.num_computed_tokens == 16 for r in others)
-    first = plan.chunks[0].seq
+    first = step.chunks[0].seq
     assert all(r.block_ids[:4] == first.block_ids[:4] for r in others)
     assert all(s.pool.refs[b] == 3 for b in first.block_ids[:4])
 
@@ -146,11 +146,11 @@ def test_with_caching_off_rows_sharing_a_first_block_are_admitted_together():
         s = scheduler(blocks=100, caching=caching)
         for i in range(4):
             s.add(Sequence(index=i, prompt_token_ids=[5] * 9, params=SamplingParams(max_tokens=4), seed=0))
-        plan = s.schedule()
-        counts = [len(plan.admitted)]
-        run(s, plan)
-        plan = s.schedule()
-        counts += [len(plan.admitted)] if plan.admitted else []
+        step = s.schedule()
+        counts = [len(step.admitted)]
+        run(s, step)
+        step = s.schedule()
+        counts += [len(step.admitted)] if step.admitted else []
         assert counts == admitted, caching
         assert not s.inflight or caching
 
@@ -163,19 +163,19 @@ def test_after_a_preemption_admission_holds_room_for_running_rows_to_grow():
     for i in range(3):
         s.add(seq(i, 4, max_tokens=12))  # each needs 4 blocks at the end: 12 in all, 2 now
     for _ in range(20):
-        plan = s.schedule()
-        run(s, plan)
-        if plan.preempted:
+        step = s.schedule()
+        run(s, step)
+        if step.preempted:
             break
     assert s.preemptions == 1 and s.growth > 0
     s.add(seq(9, 4, max_tokens=12))
     waited = 0
     for _ in range(40):
-        plan = s.schedule()
-        if any(q.index == 9 for q in plan.admitted):
+        step = s.schedule()
+        if any(q.index == 9 for q in step.admitted):
             break
         waited += 1
-        run(s, plan)
+        run(s, step)
     assert waited > 0, "the new row waited for room"
     held = s.growth
     for _ in range(100):

@@ -21,7 +21,7 @@ from engine.api.errors import BatchFull
 from engine.core.sequence import Sequence
 from engine.models.tokenizer import StopStringChecker, Tokenizer
 from engine.sample.finish import finish_rows, stop_string_hits
-from engine.sample.logprobs import logprob_columns, record_logprobs, top_n
+from engine.sample.logprobs import logprob_columns, append_logprobs, top_n
 from engine.sample.sampler import SamplingFlags, SamplingTensors
 from engine.sample.token_options import bias_rows, dynamic_bans, has_bias, indexes_on
 
@@ -57,7 +57,7 @@ FEATURES = ("greedy", "min_p", "top_k", "top_p", "penalties", "logprobs", "min_t
 Rows = "slice | torch.Tensor"
 
 
-class Batch:
+class RunningRows:
     """Live rows are slots [0, num_rows) of a table of max_num_seqs slots."""
 
     def __init__(self, tokenizer: Tokenizer, device: torch.device, vocab_size: int, slots: int):
@@ -191,8 +191,8 @@ class Batch:
                 "seen": self.seen[rows] if penalties else None, "banned": banned,
                 "bias": self.bias[rows] if self.flags.bias else None, "ban": ban}
 
-    def record(self, seqs: list[Sequence], rows: "Rows", tokens: torch.Tensor,
-               logprobs: torch.Tensor | None) -> list[Sequence]:
+    def append_tokens(self, seqs: list[Sequence], rows: "Rows", tokens: torch.Tensor,
+                      logprobs: torch.Tensor | None) -> list[Sequence]:
         """Stores each sampled row's new token, on the device and (through one transfer) on the
         host. Returns the sequences that finished (still in the table: see `remove`)."""
         self.steps[rows] += 1
@@ -216,7 +216,7 @@ class Batch:
                 seq.first_token_time = now
             seq.output_token_ids.append(tok)
         if len(host) > 2:
-            record_logprobs(seqs, host[2:], n)
+            append_logprobs(seqs, host[2:], n)
         finished = set(np.flatnonzero(host[1]).tolist())
         text = self.h_text[slots]
         if text.any():

@@ -1,5 +1,5 @@
-"""One forward pass's plan as host arrays (PassPlan): pool slots, block tables, positions, the
-tokens whose logits are kept, LongRoPE flags, LoRA slots and image placeholders. Rank 0 builds it and sends it to
+"""One forward pass's inputs as host arrays (PassInputs): pool slots, block tables, positions, the
+tokens whose logits are kept, LongRoPE flags, LoRA slots, image placeholders and M-RoPE positions. Rank 0 builds it and sends it to
 every other rank."""
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
+import torch
 
 from engine.core.scheduler import ScheduledChunk
 from engine.runner.attention import CHUNK_MIN_TOKENS
 
 
-def build_plan(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
-               all_logits: bool = False, longrope=None) -> PassPlan:
-    """The plan of a pass over `chunks` (logits kept at each sampling chunk's last token, at
+def build_inputs(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
+               all_logits: bool = False, longrope=None) -> PassInputs:
+    """The inputs of a pass over `chunks` (logits kept at each sampling chunk's last token, at
     token indices `keep`, or at every token with all_logits)."""
     n = len(chunks)
     counts = np.fromiter((c.count for c in chunks), dtype=np.int64, count=n)
@@ -47,15 +48,35 @@ def build_plan(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | 
         lora_slots = np.repeat([-1 if c.seq.lora_slot is None else c.seq.lora_slot for c in chunks], counts)
     images = [(int(first[r] + at - c.start), count, offset, span) for r, c in enumerate(chunks)
               for span in c.seq.images for at, count, offset in span.pieces(c.start, c.start + c.count)]
-    return PassPlan(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
+    return PassInputs(rope=rope_positions(chunks, positions, first, counts), slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
                     max_ctx=int((starts + counts).max()),
                     small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
                     tokens=tokens, positions=positions, keep=None if all_logits else keep,
                     long_tokens=long_tokens, lora_slots=lora_slots, images=images or None)
 
 
+def rope_positions(chunks: list[ScheduledChunk], positions: np.ndarray, first, counts) -> np.ndarray | None:
+    """(3, T) M-RoPE positions where a row's images have them (engine.multimodal: Qwen2.5-VL):
+    an image's placeholders its own, the text after an image its index plus that image's shift;
+    None where every position is the token's index."""
+    if not any(span.rope is not None for c in chunks for span in c.seq.images):
+        return None
+    rope = np.repeat(positions[None], 3, axis=0)
+    for r, c in enumerate(chunks):
+        lo, hi = int(first[r]), int(first[r] + counts[r])
+        row, index, shift = rope[:, lo:hi], positions[lo:hi], 0
+        for span in c.seq.images:  # in prompt order
+            if span.rope is None:
+                continue
+            row[:, index >= span.end] += span.rope_shift - shift
+            shift = span.rope_shift
+            for at, count, offset in span.pieces(c.start, c.start + c.count):
+                row[:, at - c.start:at - c.start + count] = span.rope[:, offset:offset + count]
+    return rope
+
+
 @dataclass
-class PassPlan:
+class PassInputs:
     """One forward pass as host arrays: what rank 0 sends every other rank (pickled)."""
 
     slots: np.ndarray
@@ -85,3 +106,11 @@ class PassPlan:
     images: list | None = None
     """(pass token index, count, offset in the image's embeddings, ImageSpan) of each run of image
     placeholder tokens the pass computes (None: none)."""
+    rope: np.ndarray | None = None
+    """(3, T) int64 M-RoPE positions (rope_positions), or None: `positions` are the model's."""
+
+    def position_ids(self, device) -> torch.Tensor:
+        """The model's position_ids: (1, T), or (3, 1, T) with M-RoPE positions."""
+        if self.rope is not None:
+            return torch.from_numpy(self.rope[:, None]).to(device)
+        return torch.from_numpy(self.positions[None]).to(device)

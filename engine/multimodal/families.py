@@ -1,11 +1,12 @@
 """The vision-language families the engine runs, by the model's config: how each is loaded, which
-token marks an image's positions, and how its vision tower turns pixels into the embeddings that
-go in at those positions. Any other family with a vision tower is refused in one line naming the
-ones run."""
+token marks an image's positions, how its vision tower turns pixels into the embeddings that go
+in at those positions, and (Qwen2.5-VL) the M-RoPE positions of a prompt with images. Any other
+family with a vision tower is refused in one line naming the ones run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -43,6 +44,14 @@ class Family:
         """The processor's output for one prompt -> each image's own vision-tower inputs."""
         pixels = batch.get("pixel_values")
         return [{"pixel_values": pixels[i]} for i in range(len(counts))]
+
+    any_size = False
+    """Whether images of any size go through the vision tower in one call (Qwen2.5-VL: their
+    patches one after another); else one call per pixel shape."""
+
+    def collate(self, pixels: list[dict]) -> dict:
+        """Images' own vision-tower inputs (image_pixels) -> one call's: stacked."""
+        return {k: torch.stack([p[k] for p in pixels]) for k in pixels[0]}
 
     def features(self, model, pixels: dict) -> list[torch.Tensor]:
         """n images' inputs stacked ({"pixel_values": (n, 3, H, W)}) -> n (tokens, hidden)
@@ -100,6 +109,48 @@ class Tiled(Family):
         return out
 
 
+@dataclass(frozen=True)
+class MRope(Family):
+    """Qwen2.5-VL's layout: one run of placeholders per image, as many as its patch grid over
+    the merge size squared; every image's patches in one flat pixel_values beside their grids.
+    Dynamic resolution: an image becomes a grid of 14-pixel patches at about its own size, each
+    2x2 merged into one placeholder. M-RoPE: a token's rotary position has a time, a height and
+    a width part; an image's placeholders take their grid coordinates after the text before it,
+    and the text after it goes on from one past the largest."""
+
+    any_size = True
+
+    def image_pixels(self, batch, counts):
+        grids = batch["image_grid_thw"]
+        sizes = grids.prod(-1).tolist()
+        return [{"pixel_values": patches, "image_grid_thw": grid}
+                for patches, grid in zip(torch.split(batch["pixel_values"], sizes), grids)]
+
+    def collate(self, pixels):
+        """Images of any grid: their patches one after another, their grids stacked (as the
+        processor gives a batch)."""
+        return {"pixel_values": torch.cat([p["pixel_values"] for p in pixels]),
+                "image_grid_thw": torch.stack([p["image_grid_thw"] for p in pixels])}
+
+    def features(self, model, pixels):
+        """n images (all their patches, and (n, 3) grids) through the vision tower at once."""
+        out = model.model.get_image_features(pixel_values=pixels["pixel_values"],
+                                             image_grid_thw=pixels["image_grid_thw"])
+        return list(out.pooler_output)
+
+    def rope_index(self, model):
+        return model.model.get_rope_index
+
+    def rope_positions(self, batch, rope_index) -> np.ndarray | None:
+        """(3, prompt tokens) M-RoPE positions of a processed prompt with images, by transformers'
+        own get_rope_index (None without images: every part is the token's index)."""
+        if batch.get("image_grid_thw") is None:
+            return None
+        positions, _ = rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                  image_grid_thw=batch["image_grid_thw"])
+        return positions[:, 0].numpy().astype(np.int64)
+
+
 def images_only(name: str):
     """transformers' processor class `name` without its video processor: its images are processed
     and their placeholders expanded by transformers' own code, but a video processor needs
@@ -120,8 +171,6 @@ def images_only(name: str):
 
 
 def _families() -> tuple[Family, ...]:
-    from engine.multimodal.qwen import MRope
-
     return (Family("LLaVA-1.5", ("llava",)), MRope("Qwen2.5-VL", ("qwen2_5_vl",), processor_class="Qwen2_5_VLProcessor"),
             Tiled("Idefics3", ("idefics3",)), Tiled("SmolVLM", ("smolvlm",), processor_class="SmolVLMProcessor"))
 

@@ -27,23 +27,27 @@ class VisionFeatures:
         self.seconds = 0.0
         """Time spent in the vision tower (the share of prefill it takes: scripts/bench_vlm.py)."""
         self.images_encoded = 0
+        self.tower_calls = 0
+        """Vision-tower calls made (each for every image of one pixel shape a pass needed, or all)."""
 
     def features(self, model, spans) -> dict[str, torch.Tensor]:
         """digest -> (tokens, hidden) embeddings of each ImageSpan of `spans`, computing the missing
-        ones (one vision-tower call per pixel shape)."""
+        ones (one vision-tower call per pixel shape, or one for all where the family takes
+        images of any size together)."""
         wanted = {s.digest: s for s in spans}
         missing = [s for d, s in wanted.items() if d not in self.cache]
         by_shape: dict[tuple, list] = {}
         for span in missing:
             if span.pixels is None:
                 raise RuntimeError(f"image {span.digest[:12]}'s pixels were dropped before its embeddings were made")
-            by_shape.setdefault(tuple((k, tuple(t.shape)) for k, t in span.pixels.items()), []).append(span)
+            shape = () if self.family.any_size else tuple((k, tuple(t.shape)) for k, t in span.pixels.items())
+            by_shape.setdefault(shape, []).append(span)
         param = next(model.parameters())
         started = time.perf_counter()
         for group in by_shape.values():
-            pixels = {k: torch.stack([s.pixels[k] for s in group]).to(
-                device=param.device, dtype=param.dtype if t.is_floating_point() else t.dtype)
-                for k, t in group[0].pixels.items()}
+            pixels = {k: t.to(device=param.device, dtype=param.dtype if t.is_floating_point() else t.dtype)
+                      for k, t in self.family.collate([s.pixels for s in group]).items()}
+            self.tower_calls += 1
             for span, feats in zip(group, self.family.features(model, pixels)):
                 if feats.shape[0] != span.length:
                     raise ValueError(f"the vision tower gave {feats.shape[0]} embeddings for an image of "

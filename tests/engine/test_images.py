@@ -146,6 +146,9 @@ def test_several_images_in_one_prompt(vlms, references, tally, family):
     assert_same_tokens(out.token_ids, want, scores, f"{family}: three images", tally)
     spans = llm.images.prepare(prompt, pictures)[1]
     assert [len(s.runs) for s in spans] == ([5, 3, 3] if family in ("idefics3", "smolvlm") else [1, 1, 1])  # tiles
+    if family == "qwen2_5_vl":  # three sizes (grids 4x4, 6x4, 2x8), one vision-tower call
+        assert len({tuple(s.pixels["image_grid_thw"].tolist()) for s in spans}) == 3
+        assert llm.runner.vision.tower_calls == 1
 
 
 def test_chat_messages_with_image_url_and_image_pil_parts(llava, reference, tally):
@@ -259,17 +262,17 @@ def test_the_prefix_cache_names_image_positions_by_the_images_digest():
 
 
 def test_the_embedding_cache_is_bounded_and_never_drops_what_a_pass_needs(monkeypatch):
-    from engine.multimodal import ImageSpan, VisionFeatures, vision
+    from engine.multimodal import Family, ImageSpan, VisionFeatures, vision
 
     calls = []
 
-    class Family:
+    class Counted(Family):
         def features(self, model, pixels):
             calls.append(pixels["pixel_values"].shape[0])
             return [torch.zeros(25, 4) for _ in range(pixels["pixel_values"].shape[0])]
 
     model = torch.nn.Linear(2, 2)
-    cache = VisionFeatures(Family(), capacity=2)
+    cache = VisionFeatures(Counted("counted", ()), capacity=2)
     spans = [ImageSpan(((0, 25),), f"d{i}", {"pixel_values": torch.zeros(3, 4, 4)}) for i in range(3)]
     assert set(cache.features(model, spans)) == {"d0", "d1", "d2"} and calls == [3]  # one call for the pass
     assert len(cache.cache) == 3  # all three are this pass's: none dropped

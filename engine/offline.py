@@ -91,7 +91,8 @@ class LLM:
         completions = self.llm_engine.generate(ids, sampling_params, lora_request=lora_request)
         loras = per_prompt_lora(lora_request, len(ids))
         decode = self.llm_engine.tokenizer.hf.convert_ids_to_tokens
-        return [RequestOutput(str(next(self._ids)), text, prompt_ids if isinstance(prompt_ids, list) else None,
+        return [RequestOutput(str(next(self._ids)), text,
+                              prompt_ids if isinstance(prompt_ids, list) else c.prompt_token_ids,  # an image prompt's
                               prompt_logprobs_of(c, decode), completion_outputs(c, decode, lora), True, c.num_cached_tokens, lora)
                 for text, prompt_ids, c, lora in zip(texts, ids, completions, loras)]
 

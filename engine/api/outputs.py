@@ -70,6 +70,9 @@ class Completion:
     probable), which vLLM's Logprob.rank gives the chosen token."""
     prompt_logprob_ranks: list[int | None] | None = None
     """Beside prompt_logprobs: each prompt token's rank in the vocabulary (None first)."""
+    prompt_token_ids: list[int] | None = None
+    """An image prompt's token ids as the model saw them (each image's placeholders expanded by
+    its processor); None for other prompts, whose ids the caller has or the tokenizer gives."""
 
     @property
     def num_generated_tokens(self) -> int:

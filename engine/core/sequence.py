@@ -175,4 +175,5 @@ class Sequence:
             prompt_logprobs=self.prompt_logprobs if self.finish_reason != "error" else None,
             logprob_ranks=self.logprob_ranks,
             prompt_logprob_ranks=self.prompt_logprob_ranks if self.finish_reason != "error" else None,
+            prompt_token_ids=list(self.prompt_token_ids) if self.images else None,
         )

@@ -336,6 +336,8 @@ def test_qwen2_5_vl_chat_with_image_url_parts_equals_transformers(vlms, referenc
                 for m in conversation]
     text = processor_for(path).apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     assert text.count("<|image_pad|>") == 2
+    image_pad = llm.get_tokenizer().convert_tokens_to_ids("<|image_pad|>")
+    assert out.prompt_token_ids.count(image_pad) == 6 + 4  # each image's merged patches: grids 6x4 and 2x8
     want, scores = references["qwen2_5_vl"](text, pictures[1:3], add_special_tokens=False)
     assert_same_tokens(list(out.outputs[0].token_ids), want, scores, "qwen chat", tally)
 

@@ -92,10 +92,11 @@ class LLMEngine(ReadingCalls):
         self._seed_rng = random.Random(self.config.seed)
         self._next_index = 0
         self._prompt_logprobs = False  # some request asked for prompt logprobs: passes check for them
-        self.images = (ImageInputs(self.runner.model_dir, self.runner.vision.family, self.runner.model.config,
+        vision = self.runner.vision
+        self.images = (ImageInputs(self.runner.model_dir, vision.family, self.runner.model.config,
                                    media_policy(self.config), self.config.limit_mm_per_prompt,
-                                   self.config.trust_remote_code, self.runner.vision.family.rope_index(self.runner.model))
-                       if self.runner.vision is not None else None)
+                                   self.config.trust_remote_code, vision.family.rope_index(self.runner.model))
+                       if vision is not None else None)
         """A vision-language model's image prompts (engine.multimodal), else None."""
         self.paged = PagedPass(self.runner, self.cache, self.pool, self.max_num_batched_tokens, self.max_model_len,
                                self.adapters.stamp, self.scheduler.salt_of)

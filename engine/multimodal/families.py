@@ -170,12 +170,9 @@ def images_only(name: str):
                                                "from_args_and_dict": classmethod(from_args_and_dict)})
 
 
-def _families() -> tuple[Family, ...]:
-    return (Family("LLaVA-1.5", ("llava",)), MRope("Qwen2.5-VL", ("qwen2_5_vl",), processor_class="Qwen2_5_VLProcessor"),
+FAMILIES = (Family("LLaVA-1.5", ("llava",)),
+            MRope("Qwen2.5-VL", ("qwen2_5_vl",), processor_class="Qwen2_5_VLProcessor"),
             Tiled("Idefics3", ("idefics3",)), Tiled("SmolVLM", ("smolvlm",), processor_class="SmolVLMProcessor"))
-
-
-FAMILIES = _families()
 """The families run."""
 VISION_MODEL_TYPES = {"llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3",
                       "smolvlm", "idefics2", "mllama", "paligemma", "gemma3", "pixtral", "mistral3", "internvl",

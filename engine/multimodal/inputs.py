@@ -142,7 +142,7 @@ class ImageInputs:
             for span in spans:
                 span.rope = positions[:, [p for start, n in span.runs for p in range(start, start + n)]]
                 after = span.end  # the first token past the image: its position minus its index
-                span.rope_shift = int(positions[0, after] - after) if after < len(ids) else int(span.rope.max()) + 1 - after
+                span.rope_shift = (int(positions[0, after]) if after < len(ids) else int(span.rope.max()) + 1) - after
         return ids, spans
 
 

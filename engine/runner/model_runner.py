@@ -252,7 +252,7 @@ class ModelRunner:
         return self._device_metadata(inputs), inputs.tokens, inputs.positions
 
     def pass_inputs(self, chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
-             all_logits: bool = False) -> PassInputs:
+                    all_logits: bool = False) -> PassInputs:
         """Everything a forward pass over `chunks` needs, as host arrays (sent to the other ranks)."""
         return build_inputs(chunks, block_size, keep, all_logits, self.longrope)
 
@@ -336,10 +336,10 @@ class ModelRunner:
 
     def model_logits(self, cache: PagedKVCache, meta: PassMetadata, input_ids: torch.Tensor,
                      position_ids: torch.Tensor, keep: torch.Tensor | None = None, images=None) -> torch.Tensor:
-        """The model's forward over one packed pass: input_ids, position_ids (1, T), or (3, 1, T)
-        with M-RoPE, on the device. Returns its logits (k, V) in the model's dtype: at token indices `keep` where the
-        model takes logits_to_keep, else at every token. `images` (PassInputs.images): the image
-        placeholders' embeddings come from the vision tower (engine.multimodal.VisionFeatures)."""
+        """The model's forward over one packed pass: input_ids, position_ids (1, T) or (3, 1, T)
+        with M-RoPE, on the device. Returns its logits (k, V) in the model's dtype: at indices `keep`
+        where the model takes logits_to_keep, else at every token. `images` (PassInputs.images): the
+        image placeholders' embeddings come from the vision tower (engine.multimodal.VisionFeatures)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "batchinfer_pass": meta, "batchinfer_cache": cache,
                   "position_ids": position_ids}
         if images:

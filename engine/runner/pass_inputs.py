@@ -1,6 +1,6 @@
 """One forward pass's inputs as host arrays (PassInputs): pool slots, block tables, positions, the
-tokens whose logits are kept, LongRoPE flags, LoRA slots, image placeholders and M-RoPE positions. Rank 0 builds it and sends it to
-every other rank."""
+tokens whose logits are kept, LongRoPE flags, LoRA slots, image placeholders and M-RoPE positions.
+Rank 0 builds it and sends it to every other rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from engine.runner.attention import CHUNK_MIN_TOKENS
 
 
 def build_inputs(chunks: list[ScheduledChunk], block_size: int, keep: list[int] | None = None,
-               all_logits: bool = False, longrope=None) -> PassInputs:
+                 all_logits: bool = False, longrope=None) -> PassInputs:
     """The inputs of a pass over `chunks` (logits kept at each sampling chunk's last token, at
     token indices `keep`, or at every token with all_logits)."""
     n = len(chunks)
@@ -48,11 +48,12 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, keep: list[int] 
         lora_slots = np.repeat([-1 if c.seq.lora_slot is None else c.seq.lora_slot for c in chunks], counts)
     images = [(int(first[r] + at - c.start), count, offset, span) for r, c in enumerate(chunks)
               for span in c.seq.images for at, count, offset in span.pieces(c.start, c.start + c.count)]
-    return PassInputs(rope=rope_positions(chunks, positions, first, counts), slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
-                    max_ctx=int((starts + counts).max()),
-                    small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
-                    tokens=tokens, positions=positions, keep=None if all_logits else keep,
-                    long_tokens=long_tokens, lora_slots=lora_slots, images=images or None)
+    return PassInputs(slots=slots, tables=tables, rows=rows.astype(np.int32), ctx=(positions + 1).astype(np.int32),
+                      max_ctx=int((starts + counts).max()),
+                      small=np.flatnonzero(np.repeat(~long, counts)) if spans else None, spans=spans,
+                      tokens=tokens, positions=positions, keep=None if all_logits else keep,
+                      long_tokens=long_tokens, lora_slots=lora_slots, images=images or None,
+                      rope=rope_positions(chunks, positions, first, counts))
 
 
 def rope_positions(chunks: list[ScheduledChunk], positions: np.ndarray, first, counts) -> np.ndarray | None:

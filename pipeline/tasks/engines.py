@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from engine.api import EngineConfig
+from engine import ECHO_MODEL
 from pipeline.tasks.task_runner import TaskRunner
 
 if TYPE_CHECKING:
@@ -21,19 +22,21 @@ def start_engine(spec: JobSpec, prompts: PromptBuilder | None = None,
                  config: EngineConfig | None = None) -> tuple[LLMEngine, TaskRunner]:
     """The engine for `spec` (or for `config`, e.g. at a halved budget; its CPU threads shared
     among the node's actors) and its task runner."""
-    if not spec.workers.gpus:
+    config = config or spec.engine_config()
+    if not spec.workers.gpus and config.model != ECHO_MODEL:  # the echo engine runs no torch
         share_cpu_threads(spec.workers.num)
-    engine = build_engine(config or spec.engine_config())
+    engine = build_engine(config)
     return engine, TaskRunner(spec, engine, prompts)
 
 
 def build_engine(config: EngineConfig):
     """An engine: LLMEngine, or the instant EchoEngine for builtin:echo (scale tests)."""
-    from engine import LLMEngine  # the engine's modules import torch: only when one is built
-    from engine import ECHO_MODEL, EchoEngine
+    from engine import EchoEngine
 
     if config.model == ECHO_MODEL:
         return EchoEngine(config)
+    from engine import LLMEngine  # the engine's modules import torch: only when one is built
+
     return LLMEngine(config)
 
 

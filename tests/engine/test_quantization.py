@@ -247,7 +247,7 @@ def test_a_compressed_tensors_8bit_checkpoint_loads_its_values_as_stored(peaked,
         LLMEngine(EngineConfig(model=str(tmp_path / "w8"), quantization="int4"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])  # ~10 s a case
 def test_w8a8_agreement_is_reported_next_to_ideal_roundings(tiny_model_dir, tmp_path, arch):
     """A W8A8 checkpoint's greedy tokens against transformers on its weights dequantized in float32,
     beside ideal rounding's: the same weights with each linear layer's inputs rounded per token to

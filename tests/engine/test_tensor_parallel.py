@@ -22,9 +22,9 @@ def config(path, n: int, **kw) -> EngineConfig:
     return EngineConfig(model=str(path), max_batch_tokens=1024, max_num_seqs=8, tensor_parallel_size=n, **kw)
 
 
-@pytest.fixture(scope="module", params=[("llama", "continuous"), ("qwen2", "static"), ("phi3", "continuous"),
-                                        ("mistral", "static")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("llama", "continuous"), pytest.param(("qwen2", "static"), marks=pytest.mark.slow),
+                                        ("phi3", "continuous"), pytest.param(("mistral", "static"), marks=pytest.mark.slow)],
+                ids=lambda p: "-".join(p))  # two ranks start per pair: the static pairs are in the slow part
 def engines(request, tiny_model_dir):
     """(architecture, TP=1 engine, TP=2 engine, model dir), both engines in the same scheduling
     mode: llama and qwen2 with GQA (qwen2 with Q/K/V biases), phi3 with fused qkv and gate_up

@@ -67,6 +67,7 @@ def test_a_rank_killed_mid_generation_fails_the_engine_naming_it(tiny_model_dir)
         llm.generate(["again"], SamplingParams(max_tokens=2))
 
 
+@pytest.mark.slow  # ~13 s; its fast sibling: the rank killed mid-generation above fails the engine the same way
 def test_a_hung_rank_fails_the_engine_within_the_timeout(tiny_model_dir):
     llm = start(tiny_model_dir("llama"))
     (pid,) = llm.runner.ranks.pids

@@ -42,7 +42,7 @@ def corpus_file(path):
 
 def test_every_bad_row_is_an_output_row_with_its_cause(tmp_path):
     inp = corpus_file(tmp_path / "in" / "corpus.jsonl")
-    code, text = run("--model", "builtin:tiny", "--input", inp, "--output", tmp_path / "out", "--set", "engine.max_model_len=512",
+    code, text = run("--model", "builtin:echo", "--input", inp, "--output", tmp_path / "out", "--set", "engine.max_model_len=512",
                      "--set", "sampling.max_tokens=4", "--set", "max_error_rate=1", "--set", "workers.num=2",
                      "--set", "workers.rows_per_batch=3")
     assert code == 0, text
@@ -60,12 +60,12 @@ def test_every_bad_row_is_an_output_row_with_its_cause(tmp_path):
 def test_on_bad_line_skip_and_fail(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     inp.write_text(inp.read_text() + "{broken\n" + json.dumps({"prompt": "c"}) + "\n")
-    code, text = run("--model", "builtin:tiny", "--input", inp, "--output", tmp_path / "skip", "--set", "input.on_bad_line=skip",
+    code, text = run("--model", "builtin:echo", "--input", inp, "--output", tmp_path / "skip", "--set", "input.on_bad_line=skip",
                      "--set", "sampling.max_tokens=2")
     assert code == 0, text
     assert sorted(read_output(tmp_path / "skip")["id"].to_pylist()) == ["in.jsonl:0", "in.jsonl:1", "in.jsonl:3"]
     assert json.loads((tmp_path / "skip" / "manifest.json").read_text())["skipped"] == 1
-    code, text = run("--model", "builtin:tiny", "--input", inp, "--output", tmp_path / "fail", "--set", "input.on_bad_line=fail",
+    code, text = run("--model", "builtin:echo", "--input", inp, "--output", tmp_path / "fail", "--set", "input.on_bad_line=fail",
                      "--set", "sampling.max_tokens=2")
     assert code == 1 and "error: in.jsonl line 3: malformed JSON" in text
 
@@ -74,10 +74,10 @@ def test_empty_files_and_an_empty_dataset(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "empty.jsonl").write_text("")
     (tmp_path / "in" / "blank.jsonl").write_text("\n\n")
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", tmp_path / "out")
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", tmp_path / "out")
     assert code == 0, text
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["rows"] == 0 and (tmp_path / "out" / "_SUCCESS").exists()
     write_jsonl(tmp_path / "in" / "real.jsonl", [{"prompt": "x"}])
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", tmp_path / "out2", "--set", "sampling.max_tokens=2")
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", tmp_path / "out2", "--set", "sampling.max_tokens=2")
     assert code == 0 and json.loads((tmp_path / "out2" / "manifest.json").read_text())["rows"] == 1

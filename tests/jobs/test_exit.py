@@ -16,7 +16,7 @@ import pyarrow as pa
 from pipeline.io import CommitRecord, IndexWriter, OutputDir, Storage
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = 20
+RUNS = 10
 PARTS = 12
 
 

@@ -31,7 +31,7 @@ def test_the_manifest_points_to_an_index_in_several_files(tmp_path, monkeypatch)
     for f in range(3):
         write_jsonl(tmp_path / "in" / f"{f}.jsonl", [{"prompt": f"{f} {i}"} for i in range(5)])
     out = tmp_path / "out"
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.rows_per_batch=2",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", out, "--set", "workers.rows_per_batch=2",
                      "--set", "sampling.max_tokens=1")
     assert code == 0, text
     manifest = json.loads((out / "manifest.json").read_text())

@@ -27,7 +27,7 @@ class _Terminal:
 
 def run(tmp_path, name):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(12)])
-    result = CliRunner().invoke(main, ["run", "--model", "builtin:tiny", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / name),
+    result = CliRunner().invoke(main, ["run", "--model", "builtin:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / name),
                                        "--set", "workers.rows_per_batch=4", "--set", "sampling.max_tokens=3"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -28,7 +28,7 @@ def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
         rows = [{"prompt": f"file {f} row {i}", "n": i, "meta": {"f": f}} for i in range(25)]
         write_jsonl(tmp_path / "in" / f"part{f}.jsonl", rows)
     out = tmp_path / "out"
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
                      "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
     assert code == 0, text
     table = read_output(out)
@@ -46,7 +46,7 @@ def test_jsonl_directory_with_two_actors_then_rerun_is_a_noop(tmp_path):
     assert "rows" in text and "75" in text  # summary table
 
     before = {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()}
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", out, "--set", "workers.num=2",
                      "--set", "workers.rows_per_batch=10", "--set", "sampling.max_tokens=6")
     assert code == 0 and "nothing to do" in text
     assert {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()} == before
@@ -60,7 +60,7 @@ def test_parquet_template_id_column_and_jsonl_output(tmp_path):
         pq.write_table(table, tmp_path / "in" / f"{f}.parquet", row_group_size=5)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"""
-model: builtin:tiny
+model: builtin:echo
 input: {{path: {tmp_path / 'in'}, template: "Q: {{question}}\\nA:", id_column: qid, columns: [answer]}}
 output: {{path: {tmp_path / 'out'}, format: jsonl}}
 sampling: {{max_tokens: 4, temperature: 0.0}}
@@ -80,7 +80,7 @@ workers: {{rows_per_batch: 7}}
     assert code == 0 and "checking that id_column" not in resumed, resumed
     assert sorted(read_output(tmp_path / "out")["id"].to_pylist()) == sorted(table["id"].to_pylist())
     assert "question" not in table.column_names and "answer" in table.column_names
-    for row in table.to_pylist():  # builtin:tiny's byte tokenizer: BOS + one token per byte of the rendered template
+    for row in table.to_pylist():  # builtin:echo's byte tokenizer: BOS + one token per byte of the rendered template
         question = f"what is {row['id'].split('-')[1]}?"
         assert row["num_prompt_tokens"] == 1 + len(f"Q: {question}\nA:".encode()), row
 
@@ -89,7 +89,7 @@ def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
     rows = [{"prompt": "fine"}, {"prompt": None}, {"prompt": ""}, {"prompt": 7}, {"prompt": "x" * 5000}]
     write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
                      "--set", "engine.max_model_len=1024")
     assert code == 3, text
     assert "4 of 5 rows failed" in text and "prompt is null" in text
@@ -102,7 +102,7 @@ def test_bad_rows_are_outputs_and_the_error_rate_sets_the_exit_code(tmp_path):
     assert by_id["in.jsonl:3"]["error"] == "prompt must be text, got int"
     assert "max_model_len (1024)" in by_id["in.jsonl:4"]["error"]
     # Accepting the errors: the same output completes without generating anything again.
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=4",
                      "--set", "engine.max_model_len=1024", "--set", "max_error_rate=0.9")
     assert code == 0 and (out / "_SUCCESS").exists() and "(0 this run)" in text
 
@@ -131,7 +131,7 @@ def test_fatal_problems_fail_fast_with_one_line(tmp_path, case):
 
 def test_a_different_spec_on_the_same_output_is_refused(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
-    base = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "sampling.max_tokens=3"]
+    base = ["--model", "builtin:echo", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out", "--set", "sampling.max_tokens=3"]
     assert run(*base)[0] == 0
     code, text = run(*base[:-1], "sampling.max_tokens=5")
     assert code == 1 and "different job spec" in text and "--overwrite" in text
@@ -150,7 +150,7 @@ def test_a_duplicate_id_stops_the_job_naming_both_places_and_a_rerun_refuses_unt
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": f"s{i}", "prompt": f"y{i}"} for i in range(3)]
                 + [{"id": "r1", "prompt": "again"}])
     out = tmp_path / "out"
-    args = ["--model", "builtin:tiny", "--input", tmp_path / "in", "--output", out, "--set", "input.id_column=id",
+    args = ["--model", "builtin:echo", "--input", tmp_path / "in", "--output", out, "--set", "input.id_column=id",
             "--set", "sampling.max_tokens=2", "--set", "workers.rows_per_batch=2"]
     code, text = run(*args)
     line = "duplicate id 'r1' in column 'id': a.jsonl row 1 and b.jsonl row 3 (ids must be unique)"
@@ -178,7 +178,7 @@ def test_s3_input_to_s3_output(tmp_path, s3_server):
     for f in range(2):
         fs.pipe(f"batchinfer-test/in/{f}.jsonl",
                 "".join(json.dumps({"prompt": f"s3 {f} {i}"}) + "\n" for i in range(8)).encode())
-    code, text = run("--model", "builtin:tiny", "--input", "s3://batchinfer-test/in/", "--output", "s3://batchinfer-test/out/",
+    code, text = run("--model", "builtin:echo", "--input", "s3://batchinfer-test/in/", "--output", "s3://batchinfer-test/out/",
                      "--set", "workers.rows_per_batch=5", "--set", "sampling.max_tokens=3")
     assert code == 0, text
     assert fs.exists("batchinfer-test/out/_SUCCESS")
@@ -260,7 +260,7 @@ def test_a_live_run_lock_blocks_a_second_run_and_a_stale_one_is_taken_over(tmp_p
     out.mkdir()
     lock = {"owner": "scheduler-2:4242:abcd", "host": "scheduler-2", "pid": 4242, "heartbeat": time.time()}
     (out / "_lock.json").write_text(json.dumps(lock))
-    args = ["--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2",
+    args = ["--model", "builtin:echo", "--input", tmp_path / "in.jsonl", "--output", out, "--set", "sampling.max_tokens=2",
             "--set", "output.lock_stale_after_s=60"]
     code, text = run(*args)
     assert code == 1 and "another run (scheduler-2:4242:abcd" in text

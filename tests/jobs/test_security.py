@@ -30,7 +30,7 @@ def test_secrets_never_reach_logs_manifest_errors_or_help(tmp_path, s3_server, m
     fs.pipe("secret-test/in.jsonl", b'{"prompt": "hello"}\n{"prompt": null}\n')
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # what the driver holds, as on a real host
     opts = f"{{key: testing, secret: {SECRET}, endpoint_url: '{s3_server}'}}"
-    args = ["run", "--model", "builtin:tiny", "--input", "s3://secret-test/in.jsonl", "--output", "s3://secret-test/out/",
+    args = ["run", "--model", "builtin:echo", "--input", "s3://secret-test/in.jsonl", "--output", "s3://secret-test/out/",
             "--set", f"input.storage_options={opts}", "--set", f"output.storage_options={opts}",
             "--set", "sampling.max_tokens=2"]
     result = CliRunner().invoke(main, args)
@@ -40,7 +40,7 @@ def test_secrets_never_reach_logs_manifest_errors_or_help(tmp_path, s3_server, m
                if not p.endswith(".parquet")}
     assert written and not [p for p, text in written.items() if SECRET in text]
     assert "***" in fs.cat("secret-test/out/manifest.json").decode()
-    failed = CliRunner().invoke(main, ["run", "--model", "builtin:tiny", "--input", "s3://no-such-bucket-x/in.jsonl", "--output",
+    failed = CliRunner().invoke(main, ["run", "--model", "builtin:echo", "--input", "s3://no-such-bucket-x/in.jsonl", "--output",
                                        str(tmp_path / "o"), "--set", f"input.storage_options={opts}"])
     assert failed.exit_code == 1 and "error:" in failed.output and SECRET not in failed.output
     for command in (["--help"], ["run", "--help"], ["spec"]):

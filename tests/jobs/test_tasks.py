@@ -113,7 +113,7 @@ def test_label_by_choice_scoring_is_the_argmax_of_transformers_loglikelihoods(tm
 
 def test_label_regex_parses_generated_text_and_notes_misses(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(4)])
-    common = ("--model", "builtin:tiny", "--input", tmp_path / "in.jsonl", "--set", "task=label", "--set", "sampling.max_tokens=4",
+    common = ("--model", "builtin:echo", "--input", tmp_path / "in.jsonl", "--set", "task=label", "--set", "sampling.max_tokens=4",
               "--set", "sampling.ignore_eos=true")
     code, text = run(*common, "--output", tmp_path / "hit", "--set", "label.label_regex='(?s)^(.)'")
     assert code == 0, text
@@ -145,7 +145,7 @@ def test_eval_metrics_file_is_exact_and_a_resumed_job_reports_the_same(tmp_path)
     prompts = [f"question {i}?" for i in range(8)]
     write_jsonl(tmp_path / "gen.jsonl", [{"prompt": p} for p in prompts])
     sampling = ("--set", "sampling.max_tokens=3", "--set", "sampling.ignore_eos=true", "--set", "sampling.temperature=0")
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "gen.jsonl", "--output", tmp_path / "gen", *sampling)
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "gen.jsonl", "--output", tmp_path / "gen", *sampling)
     assert code == 0, text
     outputs = {r["id"]: r["generated_text"] for r in read_output(tmp_path / "gen").to_pylist()}
     answers = [outputs[f"gen.jsonl:{i}"] for i in range(8)]
@@ -153,7 +153,7 @@ def test_eval_metrics_file_is_exact_and_a_resumed_job_reports_the_same(tmp_path)
     refs = answers[:3] + ["nope"] + answers[4:6] + ["nope", None]
     rows = [{"prompt": p, "answer": r, "topic": "A" if i < 4 else "B"} for i, (p, r) in enumerate(zip(prompts, refs))]
     write_jsonl(tmp_path / "eval" / "eval.jsonl", rows)
-    args = ("--model", "builtin:tiny", "--input", tmp_path / "eval", "--output", tmp_path / "out", "--set", "task=eval",
+    args = ("--model", "builtin:echo", "--input", tmp_path / "eval", "--output", tmp_path / "out", "--set", "task=eval",
             "--set", "eval.reference_column=answer", "--set", "eval.group_column=topic",
             "--set", "workers.rows_per_batch=3", *sampling)
     code, text = run(*args)
@@ -262,7 +262,7 @@ def test_duplicate_custom_id_is_fatal_and_named(tmp_path):
     lines = batch_lines()[:2]
     lines[1]["custom_id"] = "req-chat"
     write_jsonl(tmp_path / "requests.jsonl", lines)
-    code, text = run("--model", "builtin:tiny", "--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out",
+    code, text = run("--model", "builtin:echo", "--input", tmp_path / "requests.jsonl", "--output", tmp_path / "out",
                      "--set", "input.format=openai_batch")
     assert code == 1 and "req-chat" in text and "duplicate" in text
 
@@ -340,7 +340,7 @@ def test_empty_and_failed_shards_keep_one_schema_and_eval_completes(tmp_path):
             {"prompt": "bad", "opts": "not a list", "answer": "a"}, {"prompt": "worse", "opts": [], "answer": "b"}]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n\n")  # blank lines: an empty last shard
-    code, text = run("--model", "builtin:tiny", "--input", path, "--output", tmp_path / "out", "--set", "task=eval",
+    code, text = run("--model", "builtin:echo", "--input", path, "--output", tmp_path / "out", "--set", "task=eval",
                      "--set", "label.choices_column=opts", "--set", "eval.reference_column=answer",
                      "--set", "eval.metrics=[accuracy]", "--set", "workers.rows_per_batch=2",
                      "--set", "max_error_rate=1", "--set", "input.columns=[prompt]")

@@ -1,8 +1,9 @@
 """The rank processes of a tensor-parallel engine, started and watched by rank 0.
 
 Rank 0 is the engine's own process: it tokenizes, schedules and samples. It starts ranks
-1..N-1 as local processes (multiprocessing spawn, as vLLM's multiprocessing executor does; no
-Ray) and sends each of them every step's command over a pipe: the pass inputs of the model
+1..N-1 as local processes (no Ray), forked from a multiprocessing fork server that imported the
+engine once (`rank_context`; spawn where there is none, as vLLM's multiprocessing executor
+does), and sends each of them every step's command over a pipe: the pass inputs of the model
 runner (host arrays, pickled), or a KV pool to create, drop or copy a block in. Every rank then
 runs the same forward pass on its shard, meeting the others in the all-reduces of
 torch.distributed (gloo on CPU, NCCL on CUDA), each with `distributed_timeout_s`.
@@ -27,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.api.errors import RankError, one_line
+from engine.api.errors import ModelLoadError, RankError, one_line
 
 POLL_S = 0.2
 """How often a rank checks that rank 0 is alive, and rank 0 waits on its starting ranks."""
@@ -35,6 +36,38 @@ FAIL_WAIT_S = 0.5
 """How long rank 0, after a failed pass, waits for a failing rank to exit (so it can name it)."""
 STOP_S = 5.0
 """How long close() waits for a rank to exit before killing it."""
+PRELOAD = ("engine.runner.model_runner", "transformers.modeling_utils", "transformers.masking_utils")
+"""What the fork server imports once, so that a rank starts without importing torch and
+transformers again (~8 s of CPU a rank on a 2-core machine): every later engine's ranks, and a
+restarted engine's, fork from it. The server itself never touches a device."""
+
+
+RANK_NAME = "batchinfer-tp"
+"""A rank's process name, followed by its rank (Linux)."""
+
+
+def rank_context():
+    """The multiprocessing context ranks start in: the fork server with PRELOAD imported, or
+    spawn where the platform has no fork server. The server is started by the first rank started
+    in this process and lives as long as the process does."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _rank_entry(rank_main, env: dict, *args) -> None:
+    """A rank's first code: its process name (`ps` shows batchinfer-tp1, ...), the environment
+    rank 0 has now (the fork server keeps the one it started with), then rank_main(*args)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(f"{RANK_NAME}{args[1]}")
+    except OSError:  # no /proc here
+        pass
+    os.environ.clear()
+    os.environ.update(env)
+    rank_main(*args)
 
 
 def backend(device: torch.device) -> str:
@@ -83,12 +116,13 @@ class RankGroup:
         n = config.tensor_parallel_size
         threads = torch.get_num_threads()
         share = max(1, threads // n) if device.type == "cpu" else threads  # N processes share the cores
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_context()
         port = _free_port()
         procs, conns = [], []
         for rank in range(1, n):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(config, rank, port, theirs, os.getpid(), share),
+            proc = ctx.Process(target=_rank_entry, args=(rank_main, dict(os.environ), config, rank, port, theirs,
+                                                         os.getpid(), share),
                                name=f"batchinfer-rank{rank}", daemon=True)
             proc.start()
             theirs.close()
@@ -154,8 +188,10 @@ class RankGroup:
     def failure(self, exc: BaseException, in_pass: bool = True) -> BaseException:
         """Stops every rank; returns the error that names the rank that failed, else (every rank
         alive) a RankError around `exc` for a pass, `exc` itself otherwise (rank 0's own load). A
-        RankError already names its rank and cause (a rank's own report of its error): it stays."""
-        if isinstance(exc, RankError):
+        RankError already names its rank and cause (a rank's own report of its error): it stays,
+        as does rank 0's ModelLoadError, a refusal of the checkpoint that every rank makes (the
+        ranks, forked already importing the engine, often make it first)."""
+        if isinstance(exc, RankError) or (not in_pass and isinstance(exc, ModelLoadError)):
             self.close(graceful=False)
             return exc
         try:
@@ -237,6 +273,22 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
+    while _alive(parent):
         time.sleep(POLL_S)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (rank 0: not this rank's parent, the fork server is) still runs; a
+    zombie, killed and not yet reaped, does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc here: the signal found it

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.distributed.ranks import RANK_NAME
 from helpers import read_output, write_jsonl
 from pipeline.run import run_job
 from pipeline.spec import Job, validate
@@ -17,15 +18,15 @@ pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(300)]
 
 
 def rank_processes() -> set[int]:
-    """Pids of live processes started as the engine's ranks (spawned: their command line runs
-    multiprocessing's spawn entry point)."""
+    """Pids of live processes started as the engine's ranks (their process name is
+    batchinfer-tp<rank>)."""
     found = set()
     for entry in Path("/proc").iterdir():
         try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+            name = (entry / "comm").read_text() if entry.name.isdigit() else ""
         except OSError:  # gone meanwhile
             continue
-        if b"spawn_main" in cmdline:
+        if name.startswith(RANK_NAME):
             found.add(int(entry.name))
     return found
 

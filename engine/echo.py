@@ -1,4 +1,5 @@
-"""`builtin:echo`: an engine stand-in that answers at once, for scale tests of the job runner.
+"""`builtin:echo`: an engine stand-in that answers at once, for the job runner's scale tests and
+for its own tests (an actor holding it starts without importing torch: ~1.8 s against ~8 s).
 
 It has LLMEngine's surface as the job runner uses it (generate, score_choices, tokenizer,
 config) and the builtin byte-level tokenizer, but no model: every request gets max_tokens

@@ -271,6 +271,8 @@ def test_a_live_run_lock_blocks_a_second_run_and_a_stale_one_is_taken_over(tmp_p
     assert not (out / "_lock.json").exists()
 
 
+# two builtin:tiny jobs (~28 s); fast sibling: test_requests' seeded sampling that ignores the mode
+@pytest.mark.slow
 def test_scheduling_modes_write_the_same_rows(tmp_path):
     """engine.scheduling selects the batching mode; seeded sampling (a seed per row id) makes
     both modes write identical outputs."""

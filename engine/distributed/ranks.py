@@ -57,17 +57,18 @@ def rank_context():
     return ctx
 
 
-def _rank_entry(rank_main, env: dict, *args) -> None:
+def _rank_entry(rank_main, env: dict, config, rank: int, *args) -> None:
     """A rank's first code: its process name (`ps` shows batchinfer-tp1, ...), the environment
-    rank 0 has now (the fork server keeps the one it started with), then rank_main(*args)."""
+    rank 0 has now (the fork server keeps the one it started with), then
+    rank_main(config, rank, *args)."""
     try:
         with open("/proc/self/comm", "w") as f:
-            f.write(f"{RANK_NAME}{args[1]}")
+            f.write(f"{RANK_NAME}{rank}")
     except OSError:  # no /proc here
         pass
     os.environ.clear()
     os.environ.update(env)
-    rank_main(*args)
+    rank_main(config, rank, *args)
 
 
 def backend(device: torch.device) -> str:
@@ -123,7 +124,7 @@ class RankGroup:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_rank_entry, args=(rank_main, dict(os.environ), config, rank, port, theirs,
                                                          os.getpid(), share),
-                               name=f"batchinfer-rank{rank}", daemon=True)
+                               name=f"{RANK_NAME}{rank}", daemon=True)
             proc.start()
             theirs.close()
             procs.append(proc)

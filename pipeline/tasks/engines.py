@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from engine.api import EngineConfig
 from engine import ECHO_MODEL
+from engine.api import EngineConfig
 from pipeline.tasks.task_runner import TaskRunner
 
 if TYPE_CHECKING:

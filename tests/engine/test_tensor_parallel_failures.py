@@ -118,3 +118,49 @@ def test_a_ranks_own_error_is_the_error_raised():
     report = RankError("tensor-parallel rank 1 (pid 7) failed: AttributeError: 'NoHead' object has no attribute "
                        "'weight'; all ranks are stopped")
     assert ranks.failure(report) is report and stopped == [False]
+
+
+def _report_variable(conn, name: str) -> None:
+    conn.send(os.environ.get(name))
+
+
+def test_a_rank_takes_rank_0s_environment_as_it_is_when_it_starts(monkeypatch):
+    """Ranks fork from a fork server that keeps the environment it started with: a variable set
+    afterwards (a fault hook, CUDA_VISIBLE_DEVICES) still reaches the next rank."""
+    from engine.distributed.ranks import _rank_entry, rank_context
+
+    ctx = rank_context()
+
+    def value_in_a_rank() -> str | None:
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_rank_entry, args=(_report_variable, dict(os.environ), theirs,
+                                                     "BATCHINFER_TEST_RANK_ENV"), daemon=True)
+        proc.start()
+        theirs.close()
+        try:
+            return mine.recv()
+        finally:
+            proc.join(10)
+
+    monkeypatch.delenv("BATCHINFER_TEST_RANK_ENV", raising=False)
+    assert value_in_a_rank() is None  # the fork server is running from here on
+    monkeypatch.setenv("BATCHINFER_TEST_RANK_ENV", "set later")
+    assert value_in_a_rank() == "set later"
+
+
+def test_rank_0_killed_and_not_yet_reaped_counts_as_gone():
+    """A rank watches rank 0's pid (its parent is the fork server): a zombie is not alive."""
+    from engine.distributed.ranks import _alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _alive(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 5
+        while not _zombie(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _zombie(child.pid) and not _alive(child.pid)  # killed, not yet reaped by us
+    finally:
+        child.kill()
+        child.wait()
+    assert not _alive(child.pid)

@@ -63,3 +63,59 @@ def test_losing_a_simultaneous_acquire_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(lock, "_write", lambda: plant(storage, owner="rival:2:y"))
     with pytest.raises(LockHeld, match="rival"):
         lock.acquire()
+
+
+RACER = """
+import json, sys, time
+from pipeline.io import LockHeld, RunLock, Storage
+root, start = sys.argv[1], float(sys.argv[2])
+lock = RunLock(Storage(root), settle_s=0.5)
+read, reads = lock.read, []
+
+def slow_read():  # a slow look before writing: the racers' looks overlap, and only an OS lock orders them
+    record = read()
+    if not reads:
+        time.sleep(0.4)
+    reads.append(record)
+    return record
+
+lock.read = slow_read
+time.sleep(max(0.0, start - time.time()))
+try:
+    began = time.time()
+    lock.acquire()
+    print(json.dumps({"won": True, "waited": time.time() - began}))
+    time.sleep(1.5)  # still holding when the others check
+    lock.release()
+except LockHeld as exc:
+    print(json.dumps({"won": False, "why": str(exc)}))
+"""
+
+
+def test_racing_runs_on_a_local_disk_one_wins_without_waiting(tmp_path):
+    """Four processes acquire one output's lock 0.1 s apart, each looking for 0.4 s before it
+    writes (so each looks before the one before it has written): on a local disk the directory's
+    OS lock lets exactly one hold it, and none waits for a settle."""
+    start = time.time() + 3.0
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(start + 0.1 * k)],
+                               stdout=subprocess.PIPE, text=True) for k in range(4)]
+    results = [json.loads(p.communicate(timeout=60)[0]) for p in racers]
+    winners = [r for r in results if r["won"]]
+    assert len(winners) == 1, results
+    assert all("another run" in r["why"] for r in results if not r["won"]), results
+    assert winners[0]["waited"] < 0.4 + 0.5, "a local disk's lock waited for the settle"
+
+
+def test_a_mounted_filesystem_still_settles(tmp_path, monkeypatch):
+    import pipeline.io.lock as lock_module
+
+    slept = []
+    monkeypatch.setattr(lock_module, "filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr(lock_module.time, "sleep", slept.append)
+    with RunLock(Storage(str(tmp_path)), settle_s=0.25):
+        pass
+    assert slept == [0.25]
+    monkeypatch.setattr(lock_module, "filesystem_type", lambda path: "ext4")
+    with RunLock(Storage(str(tmp_path)), settle_s=0.25):
+        pass
+    assert slept == [0.25, 0.0]

@@ -4,15 +4,25 @@
 # killed driver, `ray job submit`, cron, the shipped configs run whole), each with a fast sibling
 # in the suite. `scripts/test.sh --slow` runs only those, `scripts/test.sh --all` everything;
 # CI (.ci/run) runs the default part and a quarter of the slow one (--shard I/4).
-# Other arguments go to pytest, e.g. scripts/test.sh -k parity -x
+# The default part spreads over processes (pytest-xdist), one test file at a time each, so
+# that a file's module-scoped engines are built once: TEST_PROCESSES of them (default: one per core,
+# at most 4; 0 runs in this process). Each takes its share of the cores for torch (tests/conftest.py).
+# --slow and --all run in one process: the slow fault scenarios time kills and restarts.
+# Other arguments go to pytest, e.g. scripts/test.sh -k parity -x (or -n 0 to debug in one process)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 marker=(-m "not slow")
+cores="$(nproc 2>/dev/null || echo 1)"
+processes="${TEST_PROCESSES:-$(( cores < 4 ? cores : 4 ))}"
 case "${1:-}" in
-    --slow) marker=(-m slow); shift ;;
-    --all) marker=(); shift ;;
+    --slow) marker=(-m slow); processes=0; shift ;;
+    --all) marker=(); processes=0; shift ;;
 esac
+spread=()
+if [ "$processes" -gt 1 ]; then
+    spread=(-n "$processes" --dist loadfile)
+fi
 bash scripts/setup.sh
 bash scripts/setup_airflow.sh
 export TOKENIZERS_PARALLELISM=false
@@ -21,7 +31,7 @@ export TOKENIZERS_PARALLELISM=false
 .venv/bin/python -m compileall -q engine pipeline jobs >/dev/null
 started=$(date +%s)
 set +e
-.venv/bin/python -m pytest ${marker[@]+"${marker[@]}"} "$@"
+.venv/bin/python -m pytest ${marker[@]+"${marker[@]}"} ${spread[@]+"${spread[@]}"} "$@"
 code=$?
 set -e
 took=$(( $(date +%s) - started ))

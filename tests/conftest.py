@@ -18,6 +18,14 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # Tests spread over processes (pytest -n N): each takes its share of the cores for torch's
+        # math threads, so that N processes never run more spinning OpenMP threads than there are cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/K",
                      help="run only the I-th of K shares of the selected tests (0 <= I < K), dealt out in "

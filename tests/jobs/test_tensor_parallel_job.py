@@ -2,6 +2,7 @@
 and no rank process left once the job is over."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -19,15 +20,19 @@ pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(300)]
 
 def rank_processes() -> set[int]:
     """Pids of live processes started as the engine's ranks (their process name is
-    batchinfer-tp<rank>)."""
+    batchinfer-tp<rank>), by this test process or its Ray: with the suite spread over processes
+    (pytest -n), another one's ranks carry another PYTEST_XDIST_WORKER in their environment."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     found = set()
     for entry in Path("/proc").iterdir():
         try:
-            name = (entry / "comm").read_text() if entry.name.isdigit() else ""
+            if not entry.name.isdigit() or not (entry / "comm").read_text().startswith(RANK_NAME):
+                continue
+            if worker and f"PYTEST_XDIST_WORKER={worker}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:  # gone meanwhile
             continue
-        if name.startswith(RANK_NAME):
-            found.add(int(entry.name))
+        found.add(int(entry.name))
     return found
 
 

@@ -40,8 +40,11 @@ echo "[setup] byte-compiling"
 .venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null 2>&1 || true
 # The C++ attention kernel, once per machine and environment (engine/runner/kernel_build.py; a
 # minute of one core): built now, a first job decodes on it with both cores its own. Without a
-# compiler the engine keeps the torch path, and this says so in one line.
-echo "[setup] building the CPU attention kernel"
-.venv/bin/python -c 'from engine.runner.attention import load_cpu_kernel; load_cpu_kernel(wait=True)' || true
+# compiler the engine keeps the torch path, and this says so in one line; BATCHINFER_CPU_KERNEL=0
+# (the torch path, no build tried) skips it.
+if [ "${BATCHINFER_CPU_KERNEL:-1}" != 0 ]; then
+    echo "[setup] building the CPU attention kernel"
+    .venv/bin/python -c 'from engine.runner.attention import load_cpu_kernel; load_cpu_kernel(wait=True)' || true
+fi
 printf '%s' "$want|$extras" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import torch, transformers, ray; print("torch", torch.__version__, "| transformers", transformers.__version__, "| ray", ray.__version__)')"

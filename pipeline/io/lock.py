@@ -102,10 +102,10 @@ class RunLock:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                exclusive = filesystem_type(self.storage.root) in LOCAL_FILESYSTEMS
             except OSError:  # a filesystem without flock
-                yield False
-                return
-            yield filesystem_type(self.storage.root) in LOCAL_FILESYSTEMS
+                exclusive = False
+            yield exclusive
         finally:
             os.close(fd)  # closing the descriptor lets the OS lock go
 

@@ -80,9 +80,9 @@ def rss_mib() -> float:
 def run_transformers(path: str, prompts, max_tokens: int, batch: int, device: str = "cpu",
                      dtype: str = "float32") -> tuple[list[list[int]], float]:
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from vlm_models import without_video
+    from vlm_models import images_processor
 
-    processor = (without_video("Qwen2_5_VLProcessor").from_pretrained(path) if "qwen" in path
+    processor = (images_processor("Qwen2_5_VLProcessor", path) if "qwen" in path
                  else AutoProcessor.from_pretrained(path))
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)

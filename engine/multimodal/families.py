@@ -29,7 +29,7 @@ class Family:
         from transformers import AutoProcessor
 
         if self.processor_class is not None:
-            return images_only(self.processor_class).from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            return images_only(self.processor_class, model_dir, trust_remote_code)
         return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
     def image_token_id(self, hf_config) -> int:
@@ -151,23 +151,44 @@ class MRope(Family):
         return positions[:, 0].numpy().astype(np.int64)
 
 
-def images_only(name: str):
-    """transformers' processor class `name` without its video processor: its images are processed
-    and their placeholders expanded by transformers' own code, but a video processor needs
-    torchvision, whose wheels do not load beside the CPU build of torch (and AutoProcessor then
-    hands back the bare tokenizer)."""
+def images_only(name: str, model_dir, trust_remote_code: bool = False):
+    """transformers' processor class `name` for images alone, built through public APIs: its image
+    processor (AutoImageProcessor) and tokenizer (AutoTokenizer) handed to its constructor with the
+    settings its processor_config.json holds (get_processor_dict), the video processor left out.
+    Its images are processed and their placeholders expanded by transformers' own code, but a video
+    processor needs torchvision, whose wheels do not load beside the CPU build of torch (and
+    AutoProcessor then hands back the bare tokenizer). ValueError in one line, naming the
+    transformers release, where that release cannot build it."""
+    import inspect
+
     import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
 
-    base = getattr(transformers, name)
-    attributes = [a for a in base.get_attributes() if a != "video_processor"]
+    try:
+        base = getattr(transformers, name)
+        settings, _ = base.get_processor_dict(str(model_dir))
+        parts = ("image_processor", "tokenizer", "video_processor")
+        accepted = inspect.signature(base.__init__).parameters
+        kwargs = {key: value for key, value in settings.items() if key in accepted and key not in parts}
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        return images_processor_class(base)(image_processor, tokenizer, **kwargs)
+    except (AttributeError, ImportError, OSError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{name} cannot be built for images with transformers {transformers.__version__} "
+                         f"({first}); setup.cfg names the tested releases") from None
 
-    def from_args_and_dict(cls, args, processor_dict, **kwargs):
-        # from_pretrained reads the sub-processors get_attributes names: the video processor goes
-        # in as None (the base's __init__ takes it third; its other settings come by name)
-        return base.from_args_and_dict.__func__(cls, [*args, None], processor_dict, **kwargs)
 
-    return type(f"{name}ForImages", (base,), {"get_attributes": classmethod(lambda cls: list(attributes)),
-                                               "from_args_and_dict": classmethod(from_args_and_dict)})
+def images_processor_class(base: type) -> type:
+    """A subclass of transformers' processor class `base` whose constructor takes the image
+    processor and the tokenizer alone: the processor's sub-processors are the ones its constructor
+    names (ProcessorMixin.get_attributes reads the signature), and the base's own constructor gets
+    None for its video processor."""
+
+    def __init__(self, image_processor, tokenizer, **kwargs):
+        base.__init__(self, image_processor, tokenizer, None, **kwargs)
+
+    return type(f"{base.__name__}ForImages", (base,), {"__init__": __init__, "__module__": __name__})
 
 
 FAMILIES = (Family("LLaVA-1.5", ("llava",)),

@@ -13,8 +13,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from engine import LLM, EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from engine.multimodal import MediaPolicy, family_of, load_image
 from parity import ForgivenRows, assert_same_tokens
-from vlm_models import (build_idefics3, build_llava, build_qwen2_5_vl, build_smolvlm, data_url, images, png_bytes,
-                        without_video)
+from vlm_models import (build_idefics3, build_llava, build_qwen2_5_vl, build_smolvlm, data_url, images,
+                        images_processor, png_bytes)
 
 PROMPTS = ["USER: <image>\nWhat is in the picture? ASSISTANT:", "USER: <image>\nDescribe it. ASSISTANT:",
            "USER: Look at this: <image>\nAnd say what colour it is. ASSISTANT:",
@@ -56,7 +56,7 @@ def processor_for(path: str):
     """transformers' processor of a test model (Qwen2.5-VL's and SmolVLM's without their video processor)."""
     for family, name in (("qwen2_5_vl", "Qwen2_5_VLProcessor"), ("smolvlm", "SmolVLMProcessor")):
         if family in path:
-            return without_video(name).from_pretrained(path)
+            return images_processor(name, path)
     return AutoProcessor.from_pretrained(path)
 
 
@@ -246,6 +246,24 @@ def test_families_not_run_and_settings_images_do_not_take_are_refused_in_one_lin
         family_of(LlavaNextConfig())
     with pytest.raises(ModelLoadError, match="LLaVA-1.5 models run without quantization for now"):
         engine(llava, quantization="int8")
+
+
+def test_a_processor_this_transformers_cannot_build_is_refused_in_one_line_naming_the_release(vlms, monkeypatch):
+    import transformers
+
+    from engine.multimodal.families import images_only
+
+    # a release whose processor constructor no longer takes the parts this way
+    def changed(self, image_processor, tokenizer, video_processor, *, frames):
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(transformers.SmolVLMProcessor, "__init__", changed)
+    with pytest.raises(ValueError) as refused:
+        images_only("SmolVLMProcessor", vlms["smolvlm"])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(
+        f"SmolVLMProcessor cannot be built for images with transformers {transformers.__version__} (")
+    assert message.endswith("; setup.cfg names the tested releases")
 
 
 def test_the_prefix_cache_names_image_positions_by_the_images_digest():

@@ -92,10 +92,13 @@ def _build_tiled(out: Path, seed: int, family: str) -> Path:
         transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
                                        chat_template=IDEFICS3_TEMPLATE).save_pretrained(out)
         return out
-    without_video(f"{family}Processor")(image_processor=image_processor, tokenizer=tok, video_processor=None,
-                                        image_seq_len=4, chat_template=IDEFICS3_TEMPLATE).save_pretrained(out)
+    without_video(f"{family}Processor")(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                                        chat_template=IDEFICS3_TEMPLATE).save_pretrained(out)
+    # the hub's layout: the processor's class and its image_seq_len (which a constructor without it
+    # leaves out of what it saves)
     path = out / "processor_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "processor_class": f"{family}Processor"}))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "processor_class": f"{family}Processor",
+                                "image_seq_len": 4}))
     return out
 
 
@@ -106,22 +109,27 @@ QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['c
 
 
 def without_video(name: str):
-    """transformers' processor class `name` (Qwen2_5_VLProcessor, SmolVLMProcessor) without its
-    video processor, which needs torchvision: the reference's own, made apart from the engine's."""
+    """transformers' processor class `name` (Qwen2_5_VLProcessor, SmolVLMProcessor) whose constructor
+    takes the image processor and the tokenizer alone (a processor's parts are those its constructor
+    names), the base's video processor None: a video processor needs torchvision. The reference's
+    own, made apart from the engine's."""
     import transformers
 
-    base = getattr(transformers, name)
-
-    class ImagesOnly(base):
-        @classmethod
-        def get_attributes(cls):
-            return ["image_processor", "tokenizer"]
-
-        @classmethod
-        def from_args_and_dict(cls, args, processor_dict, **kwargs):
-            return super().from_args_and_dict([*args, None], processor_dict, **kwargs)
+    class ImagesOnly(getattr(transformers, name)):
+        def __init__(self, image_processor, tokenizer, **kwargs):
+            super().__init__(image_processor, tokenizer, None, **kwargs)
 
     return ImagesOnly
+
+
+def images_processor(name: str, path) -> object:
+    """The reference's processor of a saved model whose processor is `name`, without its video processor."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    settings, _ = getattr(transformers, name).get_processor_dict(str(path))
+    return without_video(name)(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                               **{key: settings[key] for key in ("image_seq_len", "chat_template") if key in settings})
 
 
 def build_qwen2_5_vl(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,

@@ -24,8 +24,13 @@ Tested against the torch references on CPU under TRITON_INTERPRET=1
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CUDA build of torch brings triton; engine.runner.attention keeps the torch paths without it
+    raise ImportError("engine.runner.kernels.triton_attention needs triton: a CUDA build of torch brings it, "
+                      "or pip install 'batchinfer[kernels]'") from None
 
 # Tiles. Every tl.dot operand dimension is at least 16 (the GPU's MMA tile); head dims that
 # are not a power of two (80, 96) are padded up and masked. The sizes are the largest for which

@@ -44,6 +44,10 @@ class EchoEngine:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         return [self._complete(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
+    def model_identity(self) -> dict:
+        """{"kind", "id"} as LLMEngine.model_identity gives it: the echo engine is its name."""
+        return {"kind": "builtin", "id": ECHO_MODEL}
+
     def score_choices(self, prompts, choices) -> list[ChoiceScores]:
         """Every choice token scores -1, so the shortest choice wins; counts are real."""
         if len(prompts) != len(choices):

@@ -112,7 +112,9 @@ class LLMEngine(ReadingCalls):
         self.max_model_len = self.config.max_model_len or self.pooling_info.max_len or CPU_POOL_TOKENS
         self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
                                                      on_cpu=self.runner.device.type != "cuda")
+        self.tokenizer.max_tokens = self.max_model_len  # a chat prompt's length checked as it is rendered
         self.cache = self.pool = None
+        self.images = None  # encoders take no images: chat messages render as text
         self.adapters = AdapterRouter(self.runner, self.config.max_loras, NO_LORA if not self.config.enable_lora
                                       else "encoder models take no LoRA adapters (LoRA runs on decoder models)")
         self.pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
@@ -131,6 +133,15 @@ class LLMEngine(ReadingCalls):
             self.runner.enable_graphs(self.config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
+
+    def model_identity(self) -> dict:
+        """What identifies the weights this engine runs ({"kind", "id"}: engine.models.identity),
+        computed once, on first use."""
+        if getattr(self, "_identity", None) is None:
+            from engine.models import model_identity
+
+            self._identity = model_identity(self.config)
+        return self._identity
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
@@ -388,8 +399,8 @@ class LLMEngine(ReadingCalls):
         self.pooling_info.check("generate")
         if self.has_unfinished():
             raise EngineBusy("generate() called while requests from add_request() are still running")
-        seqs = [self.add_request(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
-        try:
+        try:  # whatever one request or pass raises, the engine is left with nothing of this call's
+            seqs = [self.add_request(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
             while self.has_unfinished():
                 self.step()
         except BaseException as exc:

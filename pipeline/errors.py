@@ -34,6 +34,12 @@ class LockHeld(RuntimeError):
     has ended or its heartbeat is stale."""
 
 
+class LockLost(JobError):
+    """This run's lock on the output was taken over by another run (its heartbeat could not be
+    written for as long as a lock stays fresh: a storage outage, a paused process), so it stopped
+    before committing more. Nothing committed is lost; a retry resumes once the other run has ended."""
+
+
 class ResourceError(RuntimeError):
     """The engine actors cannot be placed on the Ray cluster; the message names the resource. A
     retry helps only on a cluster that has since grown."""

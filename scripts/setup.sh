@@ -53,7 +53,8 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 echo "[setup] installing batchinfer${extras:+ with its $extras extra} and its dependencies${lock[*]:+ (constraints.txt)}"
 # the pinned setuptools and wheel build the editable install: no isolated build environment fetching newer ones
-"${pip[@]}" "${install[@]}" ${lock[@]+"${lock[@]}"} --no-build-isolation -e ".${extras:+[$extras]}"
+# (setuptools' warning that an editable install is one is not for this checkout's users)
+PYTHONWARNINGS=ignore "${pip[@]}" "${install[@]}" ${lock[@]+"${lock[@]}"} --no-build-isolation -e ".${extras:+[$extras]}"
 if [ ${#lock[@]} -gt 0 ]; then
     fixes="$(.venv/bin/python scripts/lock.py check --fixes || true)"
     if [ -n "$fixes" ]; then

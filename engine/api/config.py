@@ -105,6 +105,10 @@ class EngineConfig:
     """Vision-language models: hosts images may be downloaded from over http(s); null = none (vLLM's name)."""
     max_image_pixels: int = 36_000_000
     """Vision-language models: the largest image (width x height, read from its header before decoding); a larger one fails its row."""
+    allowed_media_buckets: list[str] | None = None
+    """Vision-language models: object-storage prefixes images may be read under (s3://bucket or s3://bucket/prefix, gs:// alike), with the worker's own credentials; null = none."""
+    max_image_aspect_ratio: float = 200.0
+    """Vision-language models: the longest edge over the shortest at most (read from the header); a thinner image fails its row (a processor that scales the short edge up would make it huge)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens",
@@ -113,6 +117,8 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_image_pixels", self.max_image_pixels)
+        if not self.max_image_aspect_ratio >= 1:
+            raise ValueError(f"max_image_aspect_ratio must be at least 1, got {self.max_image_aspect_ratio}")
         if self.limit_mm_per_prompt is not None and (
                 not isinstance(self.limit_mm_per_prompt, dict) or set(self.limit_mm_per_prompt) - {"image"}
                 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.limit_mm_per_prompt.values())):

@@ -3,8 +3,12 @@ object-storage URL or a Hugging Face Hub snapshot (engine.models.hub); their wei
 their config and tokenizer read."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from engine.api.config import EngineConfig, auto_dtype
@@ -110,45 +114,141 @@ def check_model_files(config: EngineConfig) -> Path:
 
 
 def copy_remote(url: str, cache_dir: Path) -> Path:
-    """A local copy of every file under an object-storage URL (made once: a finished copy is marked)."""
+    """A local copy of every file under an object-storage URL, made once per cache: under a file
+    lock per entry (actors on one node copy it once), into a temporary directory whose files are
+    each checked against the listing's size (and MD5 ETag where the store gives one), renamed into
+    place when whole. A listed name that would land outside the copy is refused in one line."""
     import fsspec
 
-    target = cache_dir / "models" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    target = cache_dir / "models" / key
     marker = target / ".complete"
-    if marker.exists():
-        return target
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as exc:
         raise ModelLoadError(f"cannot open {url}: {exc}") from exc
     root = root.rstrip("/")
-    files = [f for f in fs.find(root) if not f.endswith("/")]
-    if not files:
-        raise ModelLoadError(f"no files under {url}")
-    for remote in files:
-        local = target / os.path.relpath(remote, root)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(local) + ".part")
-        os.replace(str(local) + ".part", local)
-    marker.touch()
+    if marker.exists() and copied_as_listed(marker, fs, root):
+        return target
+    with cache_entry(target) as tmp:
+        if marker.exists() and copied_as_listed(marker, fs, root):
+            return target  # another process copied it while this one waited
+        try:
+            listing = {f: info for f, info in fs.find(root, detail=True).items() if not f.endswith("/")}
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot list {url}: {one_line(exc)}") from exc
+        if not listing:
+            raise ModelLoadError(f"no files under {url}")
+        # every name checked before any byte is written
+        plan = [(remote, inside(tmp, under(remote, root), url, remote), info) for remote, info in sorted(listing.items())]
+        for remote, local, info in plan:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            fetch_checked(fs, remote, local, info, url)
+        (tmp / ".complete").write_text(json.dumps({"url": url, "files": {
+            under(remote, root): {"size": info.get("size"), "etag": etag(info)} for remote, _, info in plan}}, indent=1))
     return target
 
 
 def copy_remote_file(url: str, cache_dir: Path) -> Path:
-    """A local copy of the single object-storage file at `url` (a .gguf), made once."""
+    """A local copy of the single object-storage file at `url` (a .gguf), made once, as copy_remote
+    makes a directory's."""
     import fsspec
 
-    target = cache_dir / "models" / hashlib.sha256(url.encode()).hexdigest()[:16] / url.rstrip("/").rsplit("/", 1)[-1]
-    if target.is_file():
-        return target
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    entry = cache_dir / "models" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    if (entry / ".complete").exists():
+        return inside(entry, name, url, url)
     try:
         fs, remote = fsspec.core.url_to_fs(url)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(target) + ".part")
+        info = fs.info(remote)
     except (ImportError, ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot copy {url}: {one_line(exc)}") from exc
-    os.replace(str(target) + ".part", target)
-    return target
+    with cache_entry(entry) as tmp:
+        if (entry / ".complete").exists():
+            return inside(entry, name, url, url)
+        fetch_checked(fs, remote, inside(tmp, name, url, url), info, url)
+        (tmp / ".complete").write_text(json.dumps({"url": url, "files": {
+            name: {"size": info.get("size"), "etag": etag(info)}}}, indent=1))
+    return inside(entry, name, url, url)
+
+
+def copied_as_listed(marker: Path, fs, root: str) -> bool:
+    """Whether the copy `marker` completed still matches the store's listing (every object's name,
+    size and ETag): objects changed under the same URL are copied anew, so every node runs the
+    same files. A store that cannot be listed now keeps the copy."""
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # a copy of an earlier version, which kept no listing: copied once more
+    try:
+        fs.invalidate_cache(root)  # s3fs keeps listings it made: this one must be the store's own
+        listing = {f: info for f, info in fs.find(root, detail=True).items() if not f.endswith("/")}
+    except (OSError, ValueError):
+        return True
+    now = {under(remote, root): {"size": info.get("size"), "etag": etag(info)} for remote, info in listing.items()}
+    return not now or now == files  # objects removed since: the copy is all there is of them
+
+
+def under(remote: str, root: str) -> str:
+    """A listed key's name below the listing's root, as the store spells it (never normalized: a key
+    'llm/x/../config.json' keeps its '..', which `inside` then refuses)."""
+    return remote[len(root) + 1:] if remote.startswith(root + "/") else remote
+
+
+def inside(directory: Path, name: str, url: str, key: str) -> Path:
+    """directory / name, where a listed name may only name a file inside `directory`: '..', an
+    absolute path or an empty name is refused (ModelLoadError) in one line naming the key."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\x00" in name:
+        raise ModelLoadError(f"{url}: the object {key!r} would be copied outside the cache ({name!r}); "
+                             f"refused")
+    path = directory / name
+    if not os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep):
+        raise ModelLoadError(f"{url}: the object {key!r} would be copied outside the cache; refused")
+    return path
+
+
+@contextlib.contextmanager
+def cache_entry(target: Path):
+    """Holds `target`'s file lock and yields a fresh temporary directory beside it, renamed to
+    `target` when the block ends without an error (a leftover of a copy that died is replaced)."""
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            yield tmp
+            if (tmp / ".complete").exists():
+                if target.exists():
+                    shutil.rmtree(target)  # an unfinished copy from before
+                os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def etag(info: dict) -> str | None:
+    value = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    return str(value).strip('"') if value else None
+
+
+def fetch_checked(fs, remote: str, local: Path, info: dict, url: str) -> None:
+    """One object to `local`, checked against its listing: its size, and its MD5 where the ETag is one
+    (a single-part upload's)."""
+    try:
+        fs.get_file(remote, str(local))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot copy {url}: {remote}: {one_line(exc)}") from exc
+    size, tag = info.get("size"), etag(info)
+    if size is not None and local.stat().st_size != size:
+        raise ModelLoadError(f"cannot copy {url}: {remote} arrived with {local.stat().st_size:,} of {size:,} bytes")
+    if tag and len(tag) == 32 and all(c in "0123456789abcdef" for c in tag.lower()):
+        digest = hashlib.md5(usedforsecurity=False)
+        with open(local, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != tag.lower():
+            raise ModelLoadError(f"cannot copy {url}: {remote} does not match its ETag (MD5 {digest.hexdigest()})")
 
 
 def check_weights(path: Path, allow_pickle: bool, names: list[str] | None = None) -> None:

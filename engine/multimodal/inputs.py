@@ -127,8 +127,13 @@ class ImageInputs:
         try:
             batch = self.processor(text=text, images=images or None, return_tensors="pt",
                                    add_special_tokens=add_special_tokens)
-        except (ValueError, TypeError, IndexError) as exc:
-            raise ValueError(f"the processor refused the prompt: {str(exc).splitlines()[0]}") from None
+        except MemoryError:  # this row's images, not the KV pool: the row fails, the engine goes on
+            raise ValueError(f"the processor ran out of memory on this prompt's {len(images)} image(s) "
+                             f"({', '.join(f'{i.width}x{i.height}' for i in images)})") from None
+        except Exception as exc:  # noqa: BLE001  whatever the processor raises on one row's inputs fails that row
+            text = str(exc).strip()
+            raise ValueError(f"the processor refused the prompt: {type(exc).__name__}: "
+                             f"{text.splitlines()[0] if text else ''}") from None
         ids = batch["input_ids"][0].tolist()
         groups = self.family.image_runs(ids, placeholder_runs(ids, self.image_token_id), self.special)
         if len(groups) != len(images):
@@ -161,4 +166,5 @@ def placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 def media_policy(config) -> MediaPolicy:
     """Where an engine's images may come from and how large they may be (EngineConfig's fields)."""
     return MediaPolicy(config.allowed_local_media_path, tuple(config.allowed_media_domains or ()),
-                       config.max_image_pixels)
+                       config.max_image_pixels, allowed_media_buckets=tuple(config.allowed_media_buckets or ()),
+                       max_image_aspect_ratio=config.max_image_aspect_ratio)

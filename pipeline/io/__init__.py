@@ -4,7 +4,7 @@ pyarrow only: no engine, no Ray."""
 from pipeline.errors import InputError, LockHeld
 from pipeline.io.adapters import list_adapters
 from pipeline.io.index import INDEX_DIR, LAYOUT, IndexWriter, entries, part_entries
-from pipeline.io.lock import RunLock
+from pipeline.io.lock import RunLock, owned_by
 from pipeline.io.output import FINAL_FILES, PLAN_DIR, RUNS_DIR, OutputDir, arrow_owned, decode, encode
 from pipeline.io.records import EARLIER_SHAPES, JOB_RECORD, SUMMARY_FIELDS, CommitRecord, JobRecord, RunRecord
 from pipeline.io.source import (InputFiles, Shard, list_inputs, plan_file, plan_segment, plan_shards, read_first_value, read_schema_columns,
@@ -14,5 +14,5 @@ from pipeline.io.storage import Storage, redact, redact_spec, scrub, secret_valu
 
 __all__ = ["FINAL_FILES", "INDEX_DIR", "LAYOUT", "PLAN_DIR", "RUNS_DIR", "SUMMARY_FIELDS", "CommitRecord", "JobRecord", "JOB_RECORD", "EARLIER_SHAPES", "arrow_owned", "decode", "encode", "IndexWriter",
            "InputError", "InputFiles", "LockHeld", "OutputDir", "RunLock", "RunRecord", "Shard", "Storage", "entries",
-           "list_inputs", "list_adapters", "load_schema", "part_entries", "plan_file", "plan_segment", "plan_shards", "read_first_value", "read_schema_columns", "read_schema_files", "read_shard",
+           "list_inputs", "list_adapters", "load_schema", "owned_by", "part_entries", "plan_file", "plan_segment", "plan_shards", "read_first_value", "read_schema_columns", "read_schema_files", "read_shard",
            "redact", "redact_spec", "scrub", "secret_values", "with_retries"]

@@ -253,6 +253,9 @@ class JobRecord:
     two places, the error line): a rerun refuses in that line while both places still hold it."""
     batchinfer_version: str | None = None
     """The batchinfer that started the output."""
+    model_identity: dict | None = None
+    """What identifies the model's weights ({"kind", "id"}: engine.models.identity): a resume whose
+    model changed (a moved Hub revision, rewritten files) is refused."""
     shards_planned: int | None = None
     """Layout 1 only (no plan_blocks): the shards its driver planned."""
     unknown: dict = field(default_factory=dict)
@@ -291,5 +294,6 @@ EARLIER_SHAPES = (
     ("no ids_duplicate", "no duplicate id was found, or the check ran before the job: it then ran before any shard"),
     ("no plan_blocks", "layout 1, planned in the driver: its shards_planned says how many shards the input has"),
     ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
+    ("no model_identity", "before outputs recorded what identifies the model: the next run records its model's"),
 )
 """How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""

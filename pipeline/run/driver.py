@@ -21,6 +21,7 @@ from pipeline.io import PLAN_DIR, IndexWriter, JobRecord, OutputDir, RunLock, Ru
 from pipeline.run.shards import chaos
 from pipeline.run.checks.adapters import check_adapters, with_adapters
 from pipeline.run.checks.claim import choose_devices, claim
+from pipeline.run.checks.model import check_model_identity
 from pipeline.run.shards.dataflow import execute
 from pipeline.run.reporting.manifest import build_manifest, final_files
 from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_by, shard_plan
@@ -69,6 +70,7 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     out = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
     files = preflight(spec, progress)
     adapters = check_adapters(spec)
+    model = check_model_identity(spec)
     run = RunRecord.start(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
     lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,
                    on_heartbeat=lambda: out.write_run(run))
@@ -82,15 +84,16 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
         return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress,
-                           adapters)
+                           adapters, lock, model)
     finally:
         lock.release()
 
 
 def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress,
-                adapters: dict[str, str]) -> JobResult:
-    """The run, step by step, under the output's lock."""
-    record = claim(out, job, overwrite, adapters)
+                adapters: dict[str, str], lock: RunLock | None = None, model: dict | None = None) -> JobResult:
+    """The run, step by step, under the output's lock (checked before every write that commits:
+    LockLost once another run took it over)."""
+    record = claim(out, job, overwrite, adapters, model)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()
@@ -101,11 +104,11 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
     resume = out.storage.exists(out.storage.path("data"))
     plan = _plan(job, out, record, files, resume, progress)
     ids = _start_id_check(job, out, record, files, plan, progress)
-    index, totals = _generate(job, out, record, files, resume, plan, run, progress, ids)
+    index, totals = _generate(job, out, record, files, resume, plan, run, progress, ids, lock)
     _id_check_passed(ids, out, record, run, progress)
     _check_every_shard_committed(out, record, run, totals)
     chaos.point("generated")
-    return _complete(job, out, record, run, index, totals)
+    return _complete(job, out, record, run, index, totals, lock)
 
 
 def _reserve(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, progress) -> None:
@@ -193,7 +196,7 @@ def _stopped_by_duplicate(ids: IdCheck, out: OutputDir, record: JobRecord, exc: 
 
 
 def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, plan: ShardPlan, run: RunRecord,
-              progress, ids: IdCheck | None) -> tuple[IndexWriter, PartTotals]:
+              progress, ids: IdCheck | None, lock: RunLock | None = None) -> tuple[IndexWriter, PartTotals]:
     """Every shard not committed yet, through the Ray Data pipeline, the run's record kept current:
     the part index written, and the totals over every committed part."""
     index = IndexWriter(out, run.run_id)
@@ -202,9 +205,11 @@ def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, 
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
         created = int(record.created or time.time())
         totals = execute(replace(job, created=created), files, resume, plan, run, index, progress,
-                         stop=ids)
+                         stop=ids, lock=lock)
     except BaseException as exc:
         run.end("failed")  # its generation time up to the failure counts in the job's usage
+        if lock is not None and lock.lost is not None:
+            lock.check()  # LockLost: the run record is the other run's business now
         out.write_run(run)
         if ids is not None:
             ids.cancel()
@@ -229,15 +234,19 @@ def _check_every_shard_committed(out: OutputDir, record: JobRecord, run: RunReco
 
 
 def _complete(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, index: IndexWriter,
-              totals: PartTotals) -> JobResult:
+              totals: PartTotals, lock: RunLock | None = None) -> JobResult:
+    check = (lambda: lock.check(fresh=True)) if lock is not None else (lambda: None)
+    check()
     finals = final_files(job.spec, out, index.pointer())
     manifest = build_manifest(job, out, index, totals, record, run) | finals
     if manifest["rows"] and manifest["errors"] / manifest["rows"] > job.spec.max_error_rate:
         manifest["status"] = "error_rate_exceeded"
+    check()
     out.write_json("manifest.json", manifest)
     index.remove_others()
     chaos.point("manifest")
     if manifest["status"] == "complete":
+        check()
         out.mark_success()
     return _result(manifest["status"], out, manifest, run)
 

@@ -28,9 +28,12 @@ ADDED_FIELDS = (("label",), ("eval",), ("engine", "max_prefill_tokens"), ("input
                 ("engine", "max_image_pixels"), ("input", "image_column"))
 """Spec fields added after outputs were first written; left out of the fingerprint at their defaults."""
 EXECUTION_FIELDS = ("block_size", "gpu_memory_utilization", "max_num_batched_tokens", "tensor_parallel_size",
-                    "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras", "strict_kernels")
+                    "distributed_timeout_s", "max_loras", "max_lora_rank", "max_cpu_loras", "strict_kernels",
+                    "allowed_media_buckets", "max_image_aspect_ratio")
 """Engine fields that only change how the work is scheduled, never a row: not in the fingerprint
-(tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart)."""
+(tensor_parallel_size excepted when quantization is set: the ranks' shards are quantized apart).
+The media allow-list and bounds added since are execution fields too: a row they refuse names the
+knob, and an output written before them resumes with them set."""
 TUNED_FIELDS = {k: EngineConfig.__dataclass_fields__[k].default
                 for k in ("max_batch_tokens", "max_num_seqs", "scheduling", "enforce_eager")}
 """Engine fields `batchinfer tune` advises on, which never change a row (tests/engine hold it: the same

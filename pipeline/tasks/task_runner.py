@@ -231,7 +231,11 @@ class TaskRunner:
                 if prompt is None:
                     continue
                 if isinstance(prompt, list):  # chat messages: a pooling model has no chat turn to answer
-                    prompt = encode_chat(self.engine, prompt)
+                    try:
+                        prompt = encode_chat(self.engine, prompt)
+                    except (ValueError, TypeError) as exc:  # this row's messages alone, as in generate
+                        errors[i] = str(exc)
+                        continue
                 inputs.append(prompt)
             todo.append(i)
         if not todo:

@@ -204,7 +204,7 @@ def test_each_bad_input_fails_its_row_alone_in_one_line(llava, tmp_path, monkeyp
     errors = dict(zip([*rows, "too many images"], (o.error for o in outs)))
     assert errors["good"] is None and errors["local path"] is None
     assert outs[0].token_ids == outs[1].token_ids  # the same picture, read from the allowed directory
-    expected = {"undecodable": "is not an image PIL can read",
+    expected = {"undecodable": "is not an image in a format images are read in (PNG, JPEG",
                 "over max_image_pixels": "400x300 = 120,000 pixels, over engine.max_image_pixels (100,000)",
                 "outside the allowed path": "is outside engine.allowed_local_media_path",
                 "a host not allowed": "host 'example.com' is not in engine.allowed_media_domains, which is empty",

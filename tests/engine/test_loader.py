@@ -80,7 +80,7 @@ def test_a_model_on_object_storage_is_copied_to_the_cache_first(tiny_model_dir, 
     expected = LLMEngine(EngineConfig(model=str(src))).generate(["from s3"], params)[0].token_ids
     remote = LLMEngine(EngineConfig(model="s3://models/tiny-llama", cache_dir=str(cache)))
     assert remote.generate(["from s3"], params)[0].token_ids == expected
-    copy, = (cache / "models").iterdir()
+    copy, = [p for p in (cache / "models").iterdir() if not p.name.startswith(".")]  # beside it: its file lock
     assert sorted(p.name for p in copy.iterdir()) == sorted([p.name for p in src.iterdir()] + [".complete"])
     assert digest(copy) == digest(src)
     fs.rm("models/tiny-llama", recursive=True)  # from now on the cached copy is used
@@ -120,3 +120,19 @@ def test_a_checkpoint_missing_a_parameter_is_refused_naming_it(tiny_model_dir, t
                         "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(ModelLoadError, match=r"misses model\.layers\.1\.mlp\.down_proj\.weight, model\.norm\.weight"):
         LLMEngine(EngineConfig(model=str(normless), quantization=quantization))
+
+
+def test_a_local_models_identity_is_its_files_content(tiny_model_dir, tmp_path):
+    import shutil
+
+    from engine.models import model_identity
+
+    src = tiny_model_dir("llama")
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(src, moved)
+    here, there = model_identity(EngineConfig(model=str(src))), model_identity(EngineConfig(model=str(moved)))
+    assert here == there and here["kind"] == "files" and here["id"].startswith("sha256:")  # not where it lies
+    (moved / "generation_config.json").write_text('{"note": "rewritten"}')
+    assert model_identity(EngineConfig(model=str(moved))) != here
+    assert model_identity(EngineConfig(model="builtin:tiny")) == {"kind": "builtin", "id": "builtin:tiny"}
+    assert LLMEngine(EngineConfig(model=str(src))).model_identity() == here

@@ -81,3 +81,24 @@ def test_empty_files_and_an_empty_dataset(tmp_path):
     write_jsonl(tmp_path / "in" / "real.jsonl", [{"prompt": "x"}])
     code, text = run("--model", "builtin:echo", "--input", tmp_path / "in", "--output", tmp_path / "out2", "--set", "sampling.max_tokens=2")
     assert code == 0 and json.loads((tmp_path / "out2" / "manifest.json").read_text())["rows"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_lone_surrogate_in_any_input_value_is_written_as_u_fffd(tmp_path, fmt):
+    # JSON's \ud800 escape decodes to a lone surrogate, which UTF-8 (Parquet, JSONL) cannot hold
+    inp = tmp_path / "in" / "surrogates.jsonl"
+    inp.parent.mkdir(parents=True)
+    inp.write_bytes(b'{"id": "a\\ud800", "prompt": "one \\udc00 two", "tag": {"k\\udfff": ["\\ud83d\\ude00"]}}\n'
+                    b'{"id": "b", "prompt": "plain"}\n')
+    args = ["--model", "builtin:echo", "--input", inp, "--output", tmp_path / "out", "--set", "input.id_column=id",
+            "--set", "sampling.max_tokens=4", "--set", f"output.format={fmt}"]
+    code, text = run(*args)
+    assert code == 0, text
+    rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert sorted(rows) == ["a\ufffd", "b"]
+    assert rows["a\ufffd"]["prompt"] == "one \ufffd two" and rows["a\ufffd"]["error"] is None
+    tag = rows["a\ufffd"]["tag"]
+    assert (json.loads(tag) if isinstance(tag, str) else tag) == {"k\ufffd": ["\U0001f600"]}  # a pair is one character
+    code, text = run(*args)  # resumes: already complete, every id once
+    assert code == 0, text
+    assert sorted(r["id"] for r in read_output(tmp_path / "out").to_pylist()) == ["a\ufffd", "b"]

@@ -147,3 +147,27 @@ def test_an_openai_batch_file_of_embedding_lines(tmp_path, models):
     for x in out:
         body = CreateEmbeddingResponse.model_validate(x["response"]["body"])
         assert body.data[0].embedding == pytest.approx(want[int(x["custom_id"][1:])].embedding, abs=1e-6)
+
+
+def test_embed_with_chat_messages_fails_an_over_long_conversation_alone(tmp_path, models):
+    import shutil
+
+    model = tmp_path / "chat-encoder"
+    shutil.copytree(models["embed"], model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                               "{% endfor %}")
+    rows = [{"messages": [{"role": "user", "content": text}]} for text in texts(4, seed=6, lo=1, hi=20)]
+    rows.insert(2, {"messages": [{"role": "user", "content": "long " * 2000}]})
+    rows.append({"messages": [{"role": "user", "content": "x" * 100_000}]})  # refused as it is rendered
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for("embed", model, tmp_path / "in.jsonl", tmp_path / "out")
+    spec["input"]["messages_column"] = "messages"
+    spec["workers"]["rows_per_batch"] = 6  # the long conversations share their batch with every other row
+    spec["max_error_rate"] = 1
+    result = run_job(Job.of(validate(spec)), progress=lambda msg: None)
+    assert result.status == "complete"
+    got = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert "more than the model's limit of 512" in got["in.jsonl:2"]["error"] and "\n" not in got["in.jsonl:2"]["error"]
+    assert got["in.jsonl:5"]["error"] == ("prompt is 100007 characters, more than max_model_len (512 tokens) can "
+                                          "hold: refused before tokenizing")
+    assert all(got[f"in.jsonl:{i}"]["error"] is None and got[f"in.jsonl:{i}"]["embedding"] for i in (0, 1, 3, 4))

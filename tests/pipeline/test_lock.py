@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from pipeline.io import LockHeld, RunLock, Storage
+from pipeline.errors import LockLost
+from pipeline.io import LockHeld, RunLock, Storage, owned_by
 
 
 def plant(storage, **record):
@@ -67,7 +68,8 @@ def test_losing_a_simultaneous_acquire_is_reported(tmp_path, monkeypatch):
 
 RACER = """
 import json, sys, time
-from pipeline.io import LockHeld, RunLock, Storage
+from pipeline.errors import LockLost
+from pipeline.io import LockHeld, RunLock, Storage, owned_by
 root, start = sys.argv[1], float(sys.argv[2])
 lock = RunLock(Storage(root), settle_s=0.5)
 read, reads = lock.read, []
@@ -119,3 +121,49 @@ def test_a_mounted_filesystem_still_settles(tmp_path, monkeypatch):
     with RunLock(Storage(str(tmp_path)), settle_s=0.25):
         pass
     assert slept == [0.25, 0.0]
+
+
+def test_a_run_whose_heartbeat_cannot_be_written_loses_the_lock_and_never_writes_it_again(tmp_path, monkeypatch):
+    storage = Storage(str(tmp_path))
+    lock = RunLock(storage, stale_after_s=1.0, settle_s=0)
+    assert lock.heartbeat_s == 0.25  # a quarter of stale_after_s, when that is under 10 s
+    lock.acquire()
+    writes = []
+    try:
+        def outage():
+            writes.append(time.time())
+            raise OSError("storage unreachable")
+
+        monkeypatch.setattr(lock, "_write", outage)
+        time.sleep(1.5)  # an outage longer than a lock stays fresh: another run may take over
+        assert lock.lost is not None and "could not write its heartbeat" in lock.lost
+        with pytest.raises(LockLost, match="this run stopped \\(what it committed stays\\); rerun to resume"):
+            lock.check()
+        taker = RunLock(storage, stale_after_s=1.0, settle_s=0)
+        taker.acquire()  # the stale record is taken over
+        tried = len(writes)
+        time.sleep(0.6)
+        assert len(writes) == tried  # the lost holder's heartbeat has stopped: it never overwrites the taker's
+        assert json.loads((tmp_path / "_lock.json").read_text())["owner"] == taker.owner
+        lock.release()  # leaves the taker's record alone
+        assert json.loads((tmp_path / "_lock.json").read_text())["owner"] == taker.owner
+        taker.release()
+    finally:
+        lock._stop.set()
+
+
+def test_a_run_that_finds_another_owner_in_the_record_loses_the_lock(tmp_path):
+    storage = Storage(str(tmp_path))
+    told = []
+    with RunLock(storage, stale_after_s=2.0, settle_s=0, on_lost=told.append) as lock:
+        lock.check(fresh=True)  # still ours
+        plant(storage, owner="rival:2:y")
+        with pytest.raises(LockLost, match=r"another run \(rival:2:y\) took over the lock"):
+            lock.check(fresh=True)
+        time.sleep(0.8)
+        assert told == [lock.lost]  # once
+        assert json.loads((tmp_path / "_lock.json").read_text())["owner"] == "rival:2:y"
+        with pytest.raises(LockLost, match="rival:2:y"):
+            owned_by(storage, lock.owner)
+        owned_by(storage, "rival:2:y")
+    assert json.loads((tmp_path / "_lock.json").read_text())["owner"] == "rival:2:y"

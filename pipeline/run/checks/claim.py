@@ -15,23 +15,30 @@ from pipeline.run.shards.planner import new_plan_record
 from pipeline.spec import Job, resumes
 
 
-def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str]) -> JobRecord:
+def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], model: dict | None = None) -> JobRecord:
     """The output's record for `job`: a fresh output's, saved now, or the existing one when it
     accepts the job (OutputConflict naming why not), brought up to date: a fingerprint that only
     differs in what stopped counting is re-recorded, adapters are recorded (an added one reopens a
-    complete output: its rows are still to compute)."""
+    complete output: its rows are still to compute), and so is the model's identity `model`
+    (pipeline.run.checks.model) where the record has none."""
     try:
         if overwrite:
             out.clear()
         record = JobRecord.read(out)
         if record is None:
             record = _start(job)
+            record.model_identity = model
             record.save(out)
     except (OSError, PermissionError, ValueError) as exc:
         raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
-    refused = refusal(record, job, out, adapters)
+    # a complete output takes no more rows: its model is not checked
+    refused = refusal(record, job, out, adapters) or (
+        None if out.is_complete() else model_conflict(job, record.model_identity, model))
     if refused:
         raise OutputConflict(refused)
+    if model is not None and record.model_identity is None:  # EARLIER_SHAPES "no model_identity"
+        record.model_identity = model
+        record.save(out)
     if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
         # accepted through the spec it recorded: an earlier version counted a setting never found to change a row
         record.fingerprint = job.fingerprint
@@ -55,6 +62,15 @@ def refusal(record: JobRecord, job: Job, out: OutputDir, adapters: dict[str, str
             and not picks_devices(job.spec):
         return _numerics_conflict(job, record.numerics, numerics)
     return adapters_conflict(job.spec.output.path, record.adapters, adapters)
+
+
+def model_conflict(job: Job, was: dict | None, now: dict | None) -> str | None:
+    """Why an output whose rows came from the model `was` cannot resume on `now` (None: it can)."""
+    if was is None or now is None or was == now:
+        return None
+    return (f"{job.spec.output.path}: the model {job.spec.model} changed since its rows were written "
+            f"({was.get('id')} then, {now.get('id')} now): write to a new output.path, or use --overwrite to start "
+            "afresh")
 
 
 def choose_devices(job: Job, out: OutputDir, record: JobRecord, progress) -> bool:

@@ -42,11 +42,12 @@ class StopSignal:
 
 
 def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord, index: IndexWriter,
-            progress, stop=None) -> PartTotals:
+            progress, stop=None, lock=None) -> PartTotals:
     """Runs every shard of `files` through the actor pool. Each shard's commit record goes to
     `index` and to the returned totals; the counts of shards committed now are added to `run`.
     `stop`: what may stop the job while it runs (a pipeline.run.shards.unique_ids.IdCheck): its failure
-    ends the run, the engine actors starting no shard after it."""
+    ends the run, the engine actors starting no shard after it. `lock`: the run's RunLock; once it is
+    lost the run ends, and each engine actor checks the lock's record before it commits a shard."""
     import ray
 
     quiet_ray_data()
@@ -58,7 +59,8 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
     # beyond the number of planning tasks would load its model and never get a shard.
     run.workers = min(job.spec.workers.num, plan_blocks(files, plan.segment_bytes))
     ds = planned_dataset(job.spec, files, resume, plan).map_batches(
-        ShardWorker, fn_constructor_kwargs={"job": job, "stop": signal}, batch_size=1, batch_format="numpy",
+        ShardWorker, fn_constructor_kwargs={"job": job, "stop": signal, "lock_owner": getattr(lock, "owner", None)},
+        batch_size=1, batch_format="numpy",
         **engine_stage_args(job.spec.workers, actors=run.workers, env=chaos.forwarded_env()))
     totals, earlier = PartTotals(), 0
     progress.start(None, None, getattr(files, "total_bytes", None))  # the plan streams in: bytes, not rows
@@ -76,6 +78,8 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
                                 new=bool(row["new"]))
             if stop is not None and stop.failure() is not None:
                 raise stop.failure()
+            if lock is not None:
+                lock.check()
     except Exception as exc:  # Ray wraps worker exceptions; surface the cause in one line
         failure = exc
     finally:

@@ -14,8 +14,8 @@ import pyarrow as pa
 
 from engine.api import CPU_POOL_TOKENS
 from engine.api import RankError, one_line
-from pipeline.errors import FatalShardError
-from pipeline.io import CommitRecord, OutputDir, Shard, Storage, read_shard, with_retries
+from pipeline.errors import FatalShardError, LockLost
+from pipeline.io import CommitRecord, OutputDir, Shard, Storage, owned_by, read_shard, with_retries
 from pipeline.run.shards import chaos
 from pipeline.tasks import (empty_device_cache, engine_facts, is_out_of_memory, output_table, start_engine,
                             stop_engine)
@@ -66,10 +66,12 @@ class ShardWorker(EngineActor):
     """Ray Data actor: `__call__` takes a batch of shard descriptors, reads each shard, runs the
     engine on its rows, and commits one output part per shard. Returns one summary per shard."""
 
-    def _setup(self, job: Job, stop=None) -> None:
+    def _setup(self, job: Job, stop=None, lock_owner: str | None = None) -> None:
         chaos.point("init")
         self.job = job
         self.stop = stop  # a StopSignal actor (pipeline.run.shards.dataflow), asked before each shard
+        self.lock_owner = lock_owner
+        """The run lock's owner (pipeline.io.lock): the record must still name it when a shard commits."""
         self.spec = spec = job.spec
         self.input = Storage(spec.input.path, spec.input.storage_options)
         self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
@@ -119,6 +121,11 @@ class ShardWorker(EngineActor):
         chaos.point("shard")
         before_commit = time.perf_counter()
         record.seconds = before_commit - started
+        if self.lock_owner is not None:
+            try:
+                with_retries(lambda: owned_by(self.output.storage, self.lock_owner), "reading the run lock")
+            except LockLost as exc:  # another run took the output over: this one commits nothing more
+                raise FatalShardError(str(exc)) from None
         with_retries(lambda: self.output.commit(shard.key, table, record), f"committing shard {shard.key}")
         self.last_done = time.perf_counter()
         record.commit_seconds = self.last_done - before_commit

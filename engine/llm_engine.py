@@ -135,13 +135,10 @@ class LLMEngine(ReadingCalls):
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
 
     def model_identity(self) -> dict:
-        """What identifies the weights this engine runs ({"kind", "id"}: engine.models.identity),
-        computed once, on first use."""
-        if getattr(self, "_identity", None) is None:
-            from engine.models import model_identity
+        """What identifies the weights this engine runs ({"kind", "id"}: engine.models.identity)."""
+        from engine.models import model_identity
 
-            self._identity = model_identity(self.config)
-        return self._identity
+        return model_identity(self.config)  # a file is hashed once per node (engine.models.gguf.file_digest)
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
@@ -231,17 +228,7 @@ class LLMEngine(ReadingCalls):
         return seq
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: a request needs at least one prompt token")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
-            return list(prompt)
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self.tokenizer.encode_prompt(prompt, self.runner.vocab_size)
 
     def encode_chat(self, messages: list[dict]) -> list[int] | dict:
         """A conversation as add_request takes it: the chat template's token ids, or, where its

@@ -157,7 +157,11 @@ def file_digest(path: Path, cache_root: Path, known: str | None = None) -> str:
         for chunk in iter(lambda: f.read(8 << 20), b""):
             sha.update(chunk)
     digest = sha.hexdigest()
-    _write_json_atomic(book, {**_reread(book), key: digest})
+    from filelock import FileLock
+
+    book.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(book) + ".lock"):  # two processes adding digests at once keep both
+        _write_json_atomic(book, {**_reread(book), key: digest})
     return digest
 
 
@@ -197,6 +201,8 @@ def converted_dir(path: Path, cache_root: Path, dtype: str, *, weights: bool = T
     with FileLock(str(root / f".{key}.lock")):
         if (target / "batchinfer_gguf.json").exists():
             return target  # another process converted it while this one waited
+        for leftover in root.glob(f".{key}-*"):  # a conversion killed midway (its lock died with it)
+            shutil.rmtree(leftover, ignore_errors=True)
         header = header or read_header(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:

@@ -165,7 +165,13 @@ def _parse(blob, path: Path, size: int) -> GGUFHeader:
         dims = [take("<Q") for _ in range(take("<I"))]
         kind, offset = take("<I"), take("<Q")
         raw.append((name, tuple(reversed(dims)), kind, offset))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or not 0 < align <= 1 << 20:
+        # llama.cpp requires a power of two; 0 divided by zero here, text raised ValueError
+        raise ModelLoadError(f"{path}: general.alignment is {align!r}; a GGUF file's alignment is a positive "
+                             "power of two (32 by default)")
+    if align & (align - 1):
+        raise ModelLoadError(f"{path}: general.alignment is {align}, not a power of two")
     data_start = (pos + align - 1) // align * align
     if "general.architecture" not in metadata:
         raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")

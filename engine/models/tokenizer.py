@@ -38,6 +38,20 @@ class Tokenizer:
         self._check_length(text)
         return self.hf(text, add_special_tokens=True, verbose=False)["input_ids"]
 
+    def encode_prompt(self, prompt, vocab_size: int) -> list[int]:
+        """A request's prompt (text, or token ids each inside [0, vocab_size)) -> its token ids;
+        ValueError or TypeError in one line for one that cannot run."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one prompt token")
+            return self.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            return list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
     def encode_continuation(self, text: str) -> list[int]:
         """Token ids of `text` as it continues a prompt: no special tokens."""
         if not isinstance(text, str) or not text:

@@ -32,6 +32,8 @@ DOWNLOAD_TIMEOUT_S = 15.0
 """The deadline of one image's download over http(s), redirects and every byte included."""
 MAX_REDIRECTS = 5
 """Most redirects one image's download follows."""
+DOWNLOAD_ATTEMPTS = 3
+"""Tries of a download whose failure may pass, within its deadline."""
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 """The formats images are opened in (Pillow's names); any other is refused before it is decoded."""
 STORAGE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
@@ -166,10 +168,27 @@ def check_host(url: str, policy: MediaPolicy, first: str) -> urllib.parse.SplitR
     return parts
 
 
-def download(url: str, policy: MediaPolicy, timeout_s: float | None = None) -> bytes:
+def download(url: str, policy: MediaPolicy) -> bytes:
     """The bytes at `url`, each redirect checked against the policy before it is followed, the whole
-    of it (connections, redirects, every byte) within `timeout_s` (DOWNLOAD_TIMEOUT_S)."""
-    deadline = time.monotonic() + (DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s)
+    of it (connections, redirects, retries, every byte) within DOWNLOAD_TIMEOUT_S. A failure that may
+    pass (a refused or dropped connection, HTTP 408, 429 or 5xx) is tried again, up to
+    DOWNLOAD_ATTEMPTS times, before it becomes the row's error."""
+    deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+    delay = 0.25
+    for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+        data, passing = download_once(url, policy, deadline)
+        if passing is None:
+            return data
+        if attempt == DOWNLOAD_ATTEMPTS or time.monotonic() + delay >= deadline:
+            raise ValueError(f"{shown(url)} cannot be read ({attempt} attempt{'s' if attempt > 1 else ''}): "
+                             f"{passing}")
+        time.sleep(delay)
+        delay *= 2
+    raise AssertionError("not reached")
+
+
+def download_once(url: str, policy: MediaPolicy, deadline: float) -> tuple[bytes, str | None]:
+    """(the bytes, None), or (b"", why) for a failure that may pass; ValueError for one that won't."""
     current = url
     for _ in range(MAX_REDIRECTS + 1):
         parts = check_host(current, policy, url)
@@ -178,13 +197,17 @@ def download(url: str, policy: MediaPolicy, timeout_s: float | None = None) -> b
         except TimeoutError:
             raise ValueError(f"{shown(url)} was not read within {DOWNLOAD_TIMEOUT_S:g} s") from None
         except (OSError, http.client.HTTPException) as exc:
-            raise ValueError(f"{shown(url)} cannot be read: {type(exc).__name__}: {first_line(exc)}") from None
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                raise ValueError(f"{shown(url)} cannot be read: {type(exc).__name__}: {first_line(exc)}") from None
+            return b"", f"{type(exc).__name__}: {first_line(exc)}"
         if status in (301, 302, 303, 307, 308) and location:
             current = urllib.parse.urljoin(current, location)
             continue
+        if status in (408, 429) or status >= 500:
+            return b"", f"HTTP {status}"
         if status != 200:
             raise ValueError(f"{shown(url)} cannot be read: HTTP {status}")
-        return bounded(data, url)
+        return bounded(data, url), None
     raise ValueError(f"{shown(url)} redirects more than {MAX_REDIRECTS} times")
 
 
@@ -253,11 +276,22 @@ def read_storage(url: str, policy: MediaPolicy) -> bytes:
         where = f"engine.allowed_media_buckets ({', '.join(allowed)})" if allowed else \
             "engine.allowed_media_buckets, which is empty"
         raise ValueError(f"{shown(url)} is not under {where}")
-    try:
-        with fsspec.open(url, "rb", **policy.storage_options) as f:
-            return bounded(f.read(MAX_DOWNLOAD_BYTES + 1), url)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ValueError(f"{shown(url)} cannot be read: {type(exc).__name__}: {exc}") from None
+    delay = 0.25
+    for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+        try:
+            with fsspec.open(url, "rb", **policy.storage_options) as f:
+                data = f.read(MAX_DOWNLOAD_BYTES + 1)
+        except (FileNotFoundError, PermissionError, ValueError, ImportError) as exc:  # these do not pass
+            raise ValueError(f"{shown(url)} cannot be read: {type(exc).__name__}: {first_line(exc)}") from None
+        except OSError as exc:  # throttled, a dropped connection: tried again
+            if attempt == DOWNLOAD_ATTEMPTS:
+                raise ValueError(f"{shown(url)} cannot be read ({attempt} attempts): {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from None
+            time.sleep(delay)
+            delay *= 2
+        else:
+            return bounded(data, url)
+    raise AssertionError("not reached")
 
 
 def read_local(source: str, policy: MediaPolicy) -> bytes:

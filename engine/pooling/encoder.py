@@ -18,6 +18,7 @@ from engine.models.builtin import quiet_transformers
 from engine.models.files import check_weights, load_tokenizer
 from engine.models.pooling import PoolingInfo
 from engine.runner.devices import resolve_device, resolve_dtype
+from engine.runner.loader import check_loaded
 from engine.runner.onednn import pack_linears
 
 IMPLEMENTATION = "batchinfer_varlen"
@@ -71,10 +72,16 @@ class EncoderRunner:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = cls.from_pretrained(model_dir, dtype=self.dtype, trust_remote_code=config.trust_remote_code,
-                                            use_safetensors=None if config.allow_pickle else True, **kwargs)
+                model, loading = cls.from_pretrained(model_dir, dtype=self.dtype,
+                                                     trust_remote_code=config.trust_remote_code,
+                                                     use_safetensors=None if config.allow_pickle else True,
+                                                     output_loading_info=True, **kwargs)
         except Exception as exc:
             raise ModelLoadError(f"cannot load {info.name} from {model_dir}: {one_line(exc)}") from exc
+        if not info.classifier:  # an embedding model's body alone runs: BERT's pooler layer is never used
+            loading = {**loading, "missing_keys": [k for k in loading.get("missing_keys") or ()
+                                                   if not k.startswith("pooler.")]}
+        check_loaded(model_dir, loading)  # a classifier's head the checkpoint lacks would be random
         self.model = model.to(self.device).eval()
         self.body = self.model.base_model
         params = inspect.signature(self.body.forward).parameters

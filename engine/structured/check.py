@@ -111,6 +111,10 @@ def _closest(errors: list):
 
 DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 """Keywords whose values are data, not subschemas: a `$ref` key inside them is not a reference."""
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                         "dependencies"})
+"""Keywords whose values map names to subschemas: the names are not keywords (a property may be
+called `enum`), the values are schemas."""
 
 
 def outside_reference(schema) -> str | None:
@@ -119,7 +123,7 @@ def outside_reference(schema) -> str | None:
     (pointers and anchors) and references to an `$id` the schema itself embeds. Walked without
     recursion, so any depth is read."""
     ids, refs, stack = set(), [], [schema]
-    while stack:
+    while stack:  # every entry a schema, or a list of schemas; walked by keyword, not by name
         node = stack.pop()
         if isinstance(node, dict):
             for key, value in node.items():
@@ -127,6 +131,8 @@ def outside_reference(schema) -> str | None:
                     refs.append((key, value))
                 elif key == "$id" and isinstance(value, str):
                     ids.add(value.split("#", 1)[0])
+                elif key in SCHEMA_MAPS and isinstance(value, dict):
+                    stack.extend(v for v in value.values() if isinstance(v, (dict, list)))
                 elif key not in DATA_KEYWORDS and isinstance(value, (dict, list)):
                     stack.append(value)
         elif isinstance(node, list):

@@ -102,4 +102,3 @@ def engine_facts(engine) -> dict | None:
     if source is not None:
         out["gguf"] = {k: source.get(k) for k in GGUF_FACTS}
     return out
-

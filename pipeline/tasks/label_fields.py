@@ -8,7 +8,8 @@ each typed from the schema, so that every part of a job has the same Arrow schem
 
 A required property is a non-nullable field unless its schema admits null (a "null" type, an
 alternative, enum value or const that is null); an optional one is nullable; the whole struct is
-null when the row failed. $ref into #/$defs (or #/definitions) is followed.
+null when the row failed. $ref into #/$defs (or #/definitions) is followed; a recursive one (a
+tree whose nodes hold nodes) is typed as JSON text where it refers back to itself.
 """
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ def _cached(text: str) -> pa.StructType:
     return _struct(schema, schema)
 
 
-def _struct(node: dict, root: dict) -> pa.StructType:
+def _struct(node: dict, root: dict, active: frozenset = frozenset()) -> pa.StructType:
     required = set(node.get("required") or [])
-    return pa.struct([pa.field(name, arrow_type(prop, root), nullable=name not in required or admits_null(prop, root))
+    return pa.struct([pa.field(name, arrow_type(prop, root, active),
+                               nullable=name not in required or admits_null(prop, root))
                       for name, prop in node["properties"].items()])
 
 
-def admits_null(node, root: dict) -> bool:
+def admits_null(node, root: dict, active: frozenset = frozenset()) -> bool:
     """Whether a (sub)schema accepts null: a null type, or an alternative, enum value or const null."""
-    node = _deref(node, root)
+    node, active = _deref(node, root, active)
     if not isinstance(node, dict):
         return False
     if "const" in node:
@@ -50,12 +52,13 @@ def admits_null(node, root: dict) -> bool:
     kind = node.get("type")
     if kind == "null" or (isinstance(kind, list) and "null" in kind):
         return True
-    return any(admits_null(a, root) for a in node.get("anyOf") or node.get("oneOf") or [])
+    return any(admits_null(a, root, active) for a in node.get("anyOf") or node.get("oneOf") or [])
 
 
-def arrow_type(node, root: dict) -> pa.DataType:
-    """The Arrow type of the values a (sub)schema accepts; pa.string() (JSON text) when mixed."""
-    node = _deref(node, root)
+def arrow_type(node, root: dict, active: frozenset = frozenset()) -> pa.DataType:
+    """The Arrow type of the values a (sub)schema accepts; pa.string() (JSON text) when mixed, or
+    where a $ref refers back to a schema it is inside (`active`: the references being followed)."""
+    node, active = _deref(node, root, active)
     if not isinstance(node, dict):
         return pa.string()
     if "const" in node:
@@ -64,35 +67,42 @@ def arrow_type(node, root: dict) -> pa.DataType:
         return _value_type(node["enum"])
     alternatives = node.get("anyOf") or node.get("oneOf")
     if alternatives:
-        return _shared([arrow_type(a, root) for a in alternatives if _deref(a, root).get("type") != "null"])
+        return _shared([arrow_type(a, root, active) for a in alternatives
+                        if _deref(a, root, active)[0].get("type") != "null"])
     kind = node.get("type")
     if isinstance(kind, list):
-        return _shared([arrow_type({**node, "type": k}, root) for k in kind if k != "null"])
+        return _shared([arrow_type({**node, "type": k}, root, active) for k in kind if k != "null"])
     if kind in _SIMPLE:
         return _SIMPLE[kind]
     if kind == "array":
         items = node.get("items")
         if isinstance(items, dict):
-            return pa.list_(arrow_type(items, root))
+            return pa.list_(arrow_type(items, root, active))
         prefix = node.get("prefixItems")
-        return pa.list_(_shared([arrow_type(p, root) for p in prefix]) if prefix else pa.string())
+        return pa.list_(_shared([arrow_type(p, root, active) for p in prefix]) if prefix else pa.string())
     if kind == "object" or "properties" in node:
-        return _struct(node, root) if isinstance(node.get("properties"), dict) and node["properties"] else pa.string()
+        return (_struct(node, root, active) if isinstance(node.get("properties"), dict) and node["properties"]
+                else pa.string())
     return pa.string()
 
 
-def _deref(node, root: dict):
+def _deref(node, root: dict, active: frozenset = frozenset()) -> tuple:
+    """(the schema `node` refers to, the references followed so far); a reference already being
+    followed resolves to {} (any JSON: typed as text)."""
     seen = 0
     while isinstance(node, dict) and isinstance(node.get("$ref"), str) and seen < 32:
         ref = node["$ref"]
+        if ref in active:
+            return {}, active
+        active = active | {ref}
         parts = ref.removeprefix("#/").split("/") if ref.startswith("#/") else None
-        target = root
+        target = root if ref == "#" else None if parts is None else root
         for part in parts or []:
             target = target.get(part) if isinstance(target, dict) else None
         if not isinstance(target, dict):
-            return {}
+            return {}, active
         node, seen = target, seen + 1
-    return node
+    return node, active
 
 
 def _value_type(values: list) -> pa.DataType:

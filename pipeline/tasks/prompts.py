@@ -127,3 +127,18 @@ def check_prompt(value) -> tuple[str | None, str | None]:
     if not value:
         return None, "prompt is empty"
     return value, None
+
+
+def chat_or_error(engine, messages: list[dict]) -> tuple:
+    """(encode_chat's prompt, None), or (None, the one-line error of these messages)."""
+    try:
+        return encode_chat(engine, messages), None
+    except (ValueError, TypeError) as exc:
+        return None, str(exc)
+
+
+def encode_chat(engine, messages: list[dict]):
+    """Token ids of chat messages, or a vision-language engine's image prompt where they hold
+    images (LLMEngine.encode_chat); the echo engine renders text only."""
+    encode = getattr(engine, "encode_chat", None)
+    return encode(messages) if encode is not None else engine.tokenizer.encode_chat(messages)

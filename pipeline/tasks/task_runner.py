@@ -28,7 +28,7 @@ from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_pooling import run_lines
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
-from pipeline.tasks.prompts import PromptBuilder
+from pipeline.tasks.prompts import PromptBuilder, chat_or_error, encode_chat
 from pipeline.tasks.row_result import RowResult
 
 if TYPE_CHECKING:
@@ -228,14 +228,10 @@ class TaskRunner:
                 inputs.append(pair)
             else:
                 prompt, errors[i] = self.prompts.build(row)
+                if isinstance(prompt, list):  # chat messages (no chat turn to answer): this row's error alone
+                    prompt, errors[i] = chat_or_error(self.engine, prompt)
                 if prompt is None:
                     continue
-                if isinstance(prompt, list):  # chat messages: a pooling model has no chat turn to answer
-                    try:
-                        prompt = encode_chat(self.engine, prompt)
-                    except (ValueError, TypeError) as exc:  # this row's messages alone, as in generate
-                        errors[i] = str(exc)
-                        continue
                 inputs.append(prompt)
             todo.append(i)
         if not todo:
@@ -394,10 +390,3 @@ def _softmax(logprobs: list[float]) -> list[float]:
     exp = [math.exp(x - top) for x in logprobs]
     total = sum(exp)
     return [e / total for e in exp]
-
-
-def encode_chat(engine, messages: list[dict]):
-    """Token ids of chat messages, or a vision-language engine's image prompt where they hold
-    images (LLMEngine.encode_chat); the echo engine renders text only."""
-    encode = getattr(engine, "encode_chat", None)
-    return encode(messages) if encode is not None else engine.tokenizer.encode_chat(messages)

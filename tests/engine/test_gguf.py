@@ -139,6 +139,19 @@ def test_a_second_start_neither_converts_nor_rehashes(files, tmp_path, monkeypat
     assert gguf.converted_dir(path, tmp_path, "bfloat16") != first  # keyed by the dtype too
 
 
+def test_a_conversion_killed_midway_leaves_nothing_once_converted_again(files, tmp_path):
+    import shutil
+
+    path, _ = files("llama")
+    target = gguf.converted_dir(path, tmp_path, "float32")
+    shutil.rmtree(target)
+    dead = target.parent / f".{target.name}-killed"  # a killed converter's temporary directory
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert gguf.converted_dir(path, tmp_path, "float32") == target
+    assert not dead.exists() and not list(target.parent.glob(f".{target.name}-*"))
+
+
 def test_preflight_reads_the_header_only(files, tmp_path):
     path, _ = files("llama")
     config = EngineConfig(model=str(path), cache_dir=str(tmp_path))
@@ -215,6 +228,24 @@ def test_an_architecture_or_tensor_type_not_read_is_refused(tmp_path):
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with pytest.raises(ModelLoadError, match=r"tensor token_embd\.weight has ggml type IQ4_NL \(20\), which is not read"):
         gguf.read_header(tmp_path / "iq.gguf")
+
+
+@pytest.mark.parametrize("alignment, why", [(0, "general.alignment is 0; a GGUF file's alignment is a positive"),
+                                             ("32", "general.alignment is '32'"), (48, "48, not a power of two")])
+def test_a_bad_alignment_is_refused_in_one_line(tmp_path, alignment, why):
+    import gguf as gguf_py
+
+    path = tmp_path / "aligned.gguf"
+    writer = gguf_py.GGUFWriter(str(path), "llama")
+    if isinstance(alignment, str):
+        writer.add_string("general.alignment", alignment)
+    else:
+        writer.add_uint32("general.alignment", alignment)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ModelLoadError) as err:  # a ZeroDivisionError or ValueError traceback before
+        gguf.read_header(path)
+    assert why in str(err.value) and "\n" not in str(err.value)
 
 
 def test_quantization_on_load_reads_the_converted_directory(files):

@@ -33,10 +33,18 @@ def web():
     """An HTTP server on 127.0.0.1 that serves an image, redirects (to itself, to another host's
     name, to ftp://, in a loop) and drips a body a byte at a time."""
     picture = png_bytes(images()[0])
+    asked: dict[str, int] = {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             port = self.server.server_address[1]
+            asked[self.path] = asked.get(self.path, 0) + 1
+            if self.path == "/down" or (self.path == "/flaky" and asked[self.path] == 1):
+                self.send_response(503)  # overloaded: down for good, or for the first request only
+                self.end_headers()
+                return
+            if self.path == "/flaky":
+                self.path = "/ok.png"
             routes = {"/in": f"http://127.0.0.1:{port}/ok.png", "/out": f"http://localhost:{port}/ok.png",
                       "/ftp": "ftp://127.0.0.1/ok.png", "/loop": "/loop", "/relative": "/ok.png"}
             if self.path in routes:
@@ -86,6 +94,14 @@ def test_a_redirect_is_followed_only_to_an_allowed_host_and_scheme(web):
         assert fragment in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     with pytest.raises(ValueError, match="host 'localhost' is not in engine.allowed_media_domains \\(127.0.0.1\\)"):
         load_image(f"{web}/out", ALLOWED)
+
+
+def test_a_failure_that_may_pass_is_tried_again_before_it_is_the_rows(web):
+    assert load_image(f"{web}/flaky", ALLOWED).size == (64, 48)  # a 503, then the image
+    with pytest.raises(ValueError, match=r"/down cannot be read \(3 attempts\): HTTP 503$"):
+        load_image(f"{web}/down", ALLOWED)
+    with pytest.raises(ValueError, match=r"/missing cannot be read: HTTP 404$"):  # not tried again
+        load_image(f"{web}/missing", ALLOWED)
 
 
 def test_a_dripping_server_is_cut_off_at_the_deadline(web, monkeypatch):

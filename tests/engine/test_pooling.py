@@ -145,6 +145,24 @@ def test_a_model_that_cannot_do_the_task_is_refused_in_one_line(models):
         LLMEngine(EngineConfig(model=str(models["qwen2_cls"]))).score("a", ["b"])
 
 
+@pytest.mark.parametrize("name", ["bert_cls", "qwen2_cls"])
+def test_a_classifier_whose_checkpoint_lacks_its_head_is_refused_at_load(models, tmp_path, name):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    headless = tmp_path / "headless"
+    shutil.copytree(models[name], headless)
+    tensors = load_file(headless / "model.safetensors")
+    head = [k for k in tensors if k.startswith(("classifier.", "score."))]
+    assert head
+    save_file({k: v for k, v in tensors.items() if k not in head}, headless / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as refused:  # it loaded before, and classify gave random probabilities
+        LLMEngine(EngineConfig(model=str(headless))).classify(["x"])
+    assert f"the checkpoint misses {head[0]}" in str(refused.value) and "they would be random" in str(refused.value)
+
+
 def test_a_pooling_decoder_keeps_no_kv(models):
     llm = LLMEngine(EngineConfig(model=str(models["qwen3"]), max_num_batched_tokens=256))
     llm.embed(TEXTS[:6])

@@ -210,6 +210,18 @@ def test_validate_makes_the_checks_of_run(tmp_path):
     assert result.exit_code == 1 and "input column 'prompt' not found in in.jsonl" in result.output, result.output
 
 
+def test_validate_refuses_a_tensor_parallel_size_the_models_heads_cannot_split(tmp_path):
+    # SmolLM2-135M: 9 query heads, 3 KV heads; the run failed in every worker's setup before
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    result = CliRunner().invoke(main, ["validate", "--model", "builtin:smollm2-135m-instruct", "--input",
+                                       str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--set",
+                                       "engine.tensor_parallel_size=2"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert "tensor_parallel_size 2 does not divide the model's num_attention_heads 9, num_key_value_heads 3" \
+        in errors[0], errors
+
+
 def test_unwritable_output_is_fatal(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     (tmp_path / "file").write_text("not a directory")

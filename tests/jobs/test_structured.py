@@ -186,6 +186,28 @@ def test_a_required_property_that_admits_null_is_a_nullable_field():
     encode(pa.table({"label_fields": pa.array([value], t)}), "parquet")  # raised ArrowInvalid before
 
 
+def test_a_recursive_label_schema_types_its_recursion_as_json_text():
+    """A tree whose nodes hold nodes, through #/$defs and through the root: the fields are typed
+    down to where a reference refers back to a schema it is inside (RecursionError on every shard
+    before), and a value of any depth is written."""
+    from pipeline.io import encode
+
+    node = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+    schema = {"type": "object", "$defs": {"node": node},
+              "properties": {"root": {"$ref": "#/$defs/node"}, "again": {"$ref": "#"}, "n": {"type": "integer"}}}
+    t = fields_type(schema)
+    root = t.field("root").type
+    assert root.field("name").type == pa.string()
+    assert root.field("children").type == pa.list_(pa.string())  # each child: JSON text
+    assert t.field("again").type.field("again").type == pa.string() and t.field("n").type == pa.int64()
+    value = field_values({"root": {"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]}, "n": 1}, t)
+    assert json.loads(value["root"]["children"][0]) == {"name": "b", "children": [{"name": "c"}]}
+    encode(pa.table({"label_fields": pa.array([value], t)}), "parquet")
+    validate({"task": "label", "label": {"json_schema": schema}, "input": {"path": "x.jsonl"},
+              "output": {"path": "out"}})
+
+
 def test_a_label_job_writes_label_json_and_typed_fields_and_cut_rows_are_errors(tiny):
     rows = [{"prompt": f"Review {i}: fine."} for i in range(4)]
     whole = TaskRunner(spec(task="label", label={"json_schema": REVIEW}, sampling={"max_tokens": 64,

@@ -127,6 +127,11 @@ def check_model(config: EngineConfig, task: str | None = "generate"):
         path = check_model_files(config)
         info = model_pooling_info(path, config.pooling)
         info.check_engine(config.quantization, config.tensor_parallel_size)  # before a job reserves GPUs per rank
+        if config.tensor_parallel_size > 1 and info.kind != "encoder":
+            from engine.distributed import check_shardable
+            from engine.models import read_config
+
+            check_shardable(read_config(config, path), config.tensor_parallel_size)  # heads the ranks cannot split
         if task is not None:
             info.check("generate" if task in ("label", "eval") else task)
         return load_tokenizer(config, path)

@@ -256,6 +256,9 @@ class JobRecord:
     model_identity: dict | None = None
     """What identifies the model's weights ({"kind", "id"}: engine.models.identity): a resume whose
     model changed (a moved Hub revision, rewritten files) is refused."""
+    inputs: dict | None = None
+    """The input files it started on ({files, digest, sizes}: pipeline.run.checks.inputs): a resume
+    whose files changed or went is refused; files added since are recorded."""
     shards_planned: int | None = None
     """Layout 1 only (no plan_blocks): the shards its driver planned."""
     unknown: dict = field(default_factory=dict)
@@ -295,5 +298,6 @@ EARLIER_SHAPES = (
     ("no plan_blocks", "layout 1, planned in the driver: its shards_planned says how many shards the input has"),
     ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
     ("no model_identity", "before outputs recorded what identifies the model: the next run records its model's"),
+    ("no inputs", "before outputs recorded their input files: the next run records the files it finds"),
 )
 """How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""

@@ -90,6 +90,8 @@ class InputFiles(list):
     total_bytes: int | None = None
     sizes: list[int | None] = []
     """Each file's size in bytes, from the listing (None where it gave none)."""
+    tags: list[str | None] = []
+    """Each file's ETag, from the listing (object storage; None elsewhere)."""
 
 
 def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
@@ -105,7 +107,7 @@ def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
         base, found = posixpath.dirname(root), {root: fs.info(root)}
     else:
         raise InputError(f"input not found: {storage.url}")
-    files, sizes = InputFiles(), []
+    files, sizes, tags = InputFiles(), [], []
     for p in sorted(found):
         name = posixpath.relpath(p, base) if base else p
         if any(part.startswith((".", "_")) for part in name.split("/")):
@@ -114,9 +116,12 @@ def list_inputs(storage: Storage, declared_format: str) -> InputFiles:
         if fmt is not None:
             files.append((p, name, fmt))
             sizes.append(found[p].get("size"))
+            tag = found[p].get("ETag") or found[p].get("etag")
+            tags.append(str(tag).strip('"') if tag else None)
     if not files:
         raise InputError(f"no input files (.jsonl, .json, .parquet) under {storage.url}")
     files.sizes = [n if isinstance(n, int) else None for n in sizes]
+    files.tags = tags
     files.total_bytes = sum(sizes) if all(isinstance(n, int) for n in sizes) else None
     return files
 

@@ -21,6 +21,7 @@ from pipeline.io import PLAN_DIR, IndexWriter, JobRecord, OutputDir, RunLock, Ru
 from pipeline.run.shards import chaos
 from pipeline.run.checks.adapters import check_adapters, with_adapters
 from pipeline.run.checks.claim import choose_devices, claim
+from pipeline.run.checks.inputs import input_record
 from pipeline.run.checks.model import check_model_identity
 from pipeline.run.shards.dataflow import execute
 from pipeline.run.reporting.manifest import build_manifest, final_files
@@ -71,6 +72,7 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
     files = preflight(spec, progress)
     adapters = check_adapters(spec)
     model = check_model_identity(spec)
+    inputs = input_record(files)
     run = RunRecord.start(spec.workers, f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
     lock = RunLock(out.storage, stale_after_s=spec.output.lock_stale_after_s,
                    on_heartbeat=lambda: out.write_run(run))
@@ -84,16 +86,17 @@ def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None
         if lock.took_over:
             progress(f"took over the stale lock of {lock.took_over.get('owner')}")
         return _run_locked(job, out, files, run, overwrite, lambda: ensure_ray(address, log_to_driver), progress,
-                           adapters, lock, model)
+                           adapters, lock, model, inputs)
     finally:
         lock.release()
 
 
 def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool, start_ray, progress,
-                adapters: dict[str, str], lock: RunLock | None = None, model: dict | None = None) -> JobResult:
+                adapters: dict[str, str], lock: RunLock | None = None, model: dict | None = None,
+                inputs: dict | None = None) -> JobResult:
     """The run, step by step, under the output's lock (checked before every write that commits:
     LockLost once another run took it over)."""
-    record = claim(out, job, overwrite, adapters, model)
+    record = claim(out, job, overwrite, adapters, model, inputs)
     if out.is_complete():
         return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
     start_ray()

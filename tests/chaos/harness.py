@@ -185,7 +185,9 @@ def s3_throttling(name: str, work: Path, every: int = 4) -> Outcome:
 
 
 def descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every live process below `root` (read from /proc)."""
+    """pid -> command line of every live process below `root`, then ` comm=` its process name (read
+    from /proc: a tensor-parallel rank forked from the engine's fork server names itself
+    batchinfer-tp<rank>, its command line the fork server's)."""
     parents, commands = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -193,7 +195,8 @@ def descendants(root: int) -> dict[int, str]:
         try:
             parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            commands[int(entry.name)] = command.decode(errors="replace")
+            comm = (entry / "comm").read_text().strip()
+            commands[int(entry.name)] = f"{command.decode(errors='replace')} comm={comm}"
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
     below, frontier = {}, [root]
@@ -216,7 +219,7 @@ def tp_rank_kill(name: str, work: Path) -> Outcome:
                           "--set", "engine.distributed_timeout_s=10", tokens=FEW_TOKENS), log)
     victim, seen = None, set()
     while proc.poll() is None:  # watch the ranks to the end: the rebuilt engine's count as seen too
-        ranks = [pid for pid, cmd in descendants(proc.pid).items() if "multiprocessing.spawn" in cmd]
+        ranks = [pid for pid, cmd in descendants(proc.pid).items() if " comm=batchinfer-tp" in cmd]
         seen.update(ranks)
         if victim is None and ranks and left_behind(out)["parts"] >= 1:
             victim = ranks[0]

@@ -10,34 +10,42 @@ from engine.api import one_line
 from pipeline.errors import JobError, OutputConflict
 from pipeline.io import JobRecord, OutputDir, redact_spec
 from pipeline.run.checks.adapters import adapters_conflict
+from pipeline.run.checks.inputs import input_conflict
 from pipeline.run.shards.devices import picks_devices, resolve_devices
 from pipeline.run.shards.planner import new_plan_record
 from pipeline.spec import Job, resumes
 
 
-def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], model: dict | None = None) -> JobRecord:
+def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], model: dict | None = None,
+          inputs: dict | None = None) -> JobRecord:
     """The output's record for `job`: a fresh output's, saved now, or the existing one when it
     accepts the job (OutputConflict naming why not), brought up to date: a fingerprint that only
     differs in what stopped counting is re-recorded, adapters are recorded (an added one reopens a
-    complete output: its rows are still to compute), and so is the model's identity `model`
-    (pipeline.run.checks.model) where the record has none."""
+    complete output: its rows are still to compute), and so are the model's identity `model`
+    (pipeline.run.checks.model) where the record has none, and the input files `inputs`
+    (pipeline.run.checks.inputs) where they are new or only added to."""
     try:
         if overwrite:
             out.clear()
         record = JobRecord.read(out)
         if record is None:
             record = _start(job)
-            record.model_identity = model
+            record.model_identity, record.inputs = model, inputs
             record.save(out)
     except (OSError, PermissionError, ValueError) as exc:
         raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
     # a complete output takes no more rows: its model is not checked
-    refused = refusal(record, job, out, adapters) or (
-        None if out.is_complete() else model_conflict(job, record.model_identity, model))
+    complete = out.is_complete()
+    refused = refusal(record, job, out, adapters) or (None if complete else (
+        model_conflict(job, record.model_identity, model)
+        or (input_conflict(job.spec.output.path, record.inputs, inputs) if inputs is not None else None)))
     if refused:
         raise OutputConflict(refused)
     if model is not None and record.model_identity is None:  # EARLIER_SHAPES "no model_identity"
         record.model_identity = model
+        record.save(out)
+    if inputs is not None and not complete and record.inputs != inputs:  # "no inputs", or files added
+        record.inputs = inputs
         record.save(out)
     if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
         # accepted through the spec it recorded: an earlier version counted a setting never found to change a row

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
@@ -19,6 +18,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import InputError
 from pipeline.io.storage import Storage, with_retries
+from pipeline.io.text import without_lone_surrogates
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -336,23 +336,6 @@ def read_shard(storage: Storage, shard: Shard) -> tuple[list[dict], list[str], l
             rows.append({})
             errors.append(f"{shard.name} line {line + 1}: malformed JSON ({_short(exc)})")
     return rows, ids, errors
-
-
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-"""A UTF-16 surrogate left alone in a str: JSON's \\ud800 escape decodes to one, UTF-8 cannot hold it."""
-
-
-def without_lone_surrogates(value):
-    """A JSON value with every lone surrogate in its strings (keys too) replaced by U+FFFD, as a UTF-8
-    decoder replaces what it cannot read: such a row is read, generated and written like any other
-    (a pair of surrogates is one character already), and so is an id holding one."""
-    if isinstance(value, str):
-        return LONE_SURROGATE.sub("\ufffd", value) if LONE_SURROGATE.search(value) else value
-    if isinstance(value, dict):
-        return {without_lone_surrogates(k): without_lone_surrogates(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [without_lone_surrogates(v) for v in value]
-    return value
 
 
 def _parquet_slice(pf: pq.ParquetFile, start: int, stop: int) -> pa.Table:

@@ -20,6 +20,7 @@ from pathlib import Path
 from engine.api.config import EngineConfig
 from engine.api.errors import ModelLoadError, one_line
 from engine.models.builtin import BUILTIN_PREFIX, REAL_MODELS, default_cache_dir, is_builtin, real_model_file
+from engine.models.files import etag, resolve_model_dir
 from engine.models.gguf import file_digest
 
 
@@ -41,8 +42,6 @@ def model_identity(config: EngineConfig) -> dict:
         target = path / config.gguf_file if config.gguf_file else path
         digest = file_digest(target, cache) if target.is_file() else tree_digest(target, cache)
         return {"kind": "files", "id": f"sha256:{digest}"}
-    from engine.models.files import resolve_model_dir
-
     snapshot = resolve_model_dir(config, weights=False)  # the Hub's config and tokenizer files at the revision
     commit = next((p.name for p in [snapshot, *snapshot.parents] if p.parent.name == "snapshots"), None)
     if commit is None:
@@ -78,6 +77,5 @@ def listing_digest(url: str, gguf_file: str | None = None) -> str:
     for name, info in sorted(listing.items()):
         if gguf_file and not name.endswith("/" + gguf_file):
             continue
-        tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
-        digest.update(f"{name[len(root):]}\0{info.get('size')}\0{str(tag).strip(chr(34))}\n".encode())
+        digest.update(f"{name[len(root):]}\0{info.get('size')}\0{etag(info) or ''}\n".encode())
     return digest.hexdigest()[:32]

@@ -65,12 +65,7 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def read(self) -> dict | None:
-        try:
-            return json.loads(self.storage.read_text(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {"owner": "unreadable", "heartbeat": 0}
+        return read_record(self.storage)
 
     def is_stale(self, record: dict, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -199,15 +194,20 @@ def unwritten(lock: RunLock) -> str:
             f"{lock.stale_after_s:g}s), so another run may have taken it over")
 
 
+def read_record(storage: Storage) -> dict | None:
+    """The output's lock record, None where there is none (an unreadable one names no owner)."""
+    try:
+        return json.loads(storage.read_text(storage.path("_lock.json")))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {"owner": "unreadable", "heartbeat": 0}
+
+
 def owned_by(storage: Storage, owner: str) -> None:
     """Raises LockLost unless the output's lock record names `owner` (an engine actor, before it
     commits a shard of the run that owner started)."""
-    try:
-        current = json.loads(storage.read_text(storage.path("_lock.json")))
-    except FileNotFoundError:
-        current = None
-    except ValueError:
-        current = {"owner": "unreadable"}
+    current = read_record(storage)
     if current is None or current.get("owner") != owner:
         raise LockLost(f"{taken_over(current, storage.url)}; this run stopped before committing more")
 

@@ -34,18 +34,18 @@ def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], m
             record.save(out)
     except (OSError, PermissionError, ValueError) as exc:
         raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
-    # a complete output takes no more rows: its model is not checked
+    # a complete output takes no more rows: its model and input files are not checked
     complete = out.is_complete()
     refused = refusal(record, job, out, adapters) or (None if complete else (
         model_conflict(job, record.model_identity, model)
         or (input_conflict(job.spec.output.path, record.inputs, inputs) if inputs is not None else None)))
     if refused:
         raise OutputConflict(refused)
-    if model is not None and record.model_identity is None:  # EARLIER_SHAPES "no model_identity"
-        record.model_identity = model
-        record.save(out)
-    if inputs is not None and not complete and record.inputs != inputs:  # "no inputs", or files added
-        record.inputs = inputs
+    learned = model is not None and record.model_identity is None  # EARLIER_SHAPES "no model_identity"
+    grown = inputs is not None and not complete and record.inputs != inputs  # "no inputs", or files added
+    if learned or grown:
+        record.model_identity = model if learned else record.model_identity
+        record.inputs = inputs if grown else record.inputs
         record.save(out)
     if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
         # accepted through the spec it recorded: an earlier version counted a setting never found to change a row

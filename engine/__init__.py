@@ -13,14 +13,16 @@ Its packages, each answering one question (which may import which: docs/architec
     structured/    structured outputs: xgrammar or llguidance per constraint, and the check of each output
     pooling/       rows to embeddings, class probabilities and scores (encoders packed; decoders paged)
 
-On top: `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; embed, classify, score), vLLM's
-offline `LLM` over it (offline.py), choice scoring (scoring.py) and `builtin:echo`'s stand-in engine
-(echo.py). Configuration, sampling parameters, outputs and errors import without torch; `LLMEngine`,
-`LLM` and `EchoEngine` (which need torch or the tokenizers) are imported on first use, so that job
-specs can be read anywhere."""
+On top: the engines behind the protocol `engine.api.Engine`, each built by `build(config)` (builder.py):
+`LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; choice scoring, decoder pooling),
+`EncoderEngine` (encoder_engine.py: an encoder's embed, classify, score) and `builtin:echo`'s stand-in
+(echo.py); what they share (prompt_reader.py, pooling_calls.py, scoring.py); vLLM's offline `LLM` over
+an engine (offline.py). Configuration, the protocol, sampling parameters, outputs and errors import
+without torch; `build`, `LLMEngine`, `EncoderEngine`, `LLM` and `EchoEngine` (which need torch or the
+tokenizers) are imported on first use, so that job specs can be read anywhere."""
 __version__ = "0.1.0"
 
-from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, FastPathError, BatchStats, ChoiceScores, ClassificationOutput,
+from engine.api import (Engine, EngineFacts, SteppingEngine, AdapterError, AttentionOutsideEngine, BatchFull, FastPathError, BatchStats, ChoiceScores, ClassificationOutput,
                         ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
                         ScoringRequestOutput, Completion, ConstraintError, DeviceError, RegexTimeout, EmbeddingOutput, EngineBusy, EngineConfig,
                         EngineError, GrammarBusy, LoRARequest, ModelLoadError, PoolerConfig, PoolExhausted, PoolingParams,
@@ -28,7 +30,15 @@ from engine.api import (AdapterError, AttentionOutsideEngine, BatchFull, FastPat
                         VIOLATION, one_line)
 
 def __getattr__(name: str):
-    """LLMEngine, LLM and EchoEngine (with ECHO_MODEL) are imported on first use."""
+    """build, LLMEngine, EncoderEngine, LLM and EchoEngine (with ECHO_MODEL) are imported on first use."""
+    if name == "build":
+        from engine.builder import build
+
+        return build
+    if name == "EncoderEngine":
+        from engine.encoder_engine import EncoderEngine
+
+        return EncoderEngine
     if name == "LLMEngine":
         from engine.llm_engine import LLMEngine
 
@@ -44,7 +54,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequestOutput",
+__all__ = ["build", "Engine", "SteppingEngine", "EngineFacts", "EncoderEngine", "LLM", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequestOutput",
            "ClassificationRequestOutput", "ScoringRequestOutput", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "VIOLATION", "Completion", "Sample",
            "BatchStats", "ChoiceScores", "PoolingParams", "PoolerConfig", "EmbeddingOutput",
            "ClassificationOutput", "ScoringOutput", "LoRARequest", "EchoEngine", "ECHO_MODEL", "__version__",

@@ -8,58 +8,71 @@ from typing import Sequence as Seq
 
 import torch
 
-from engine.api.config import CPU_POOL_TOKENS, EngineConfig
+from engine.api.config import EngineConfig
 from engine.api.errors import EngineBusy
 from engine.api.lora import LoRARequest, per_prompt_lora
-from engine.api.outputs import BatchStats, Completion
+from engine.api.outputs import (BatchStats, ChoiceScores, ClassificationOutput, Completion, EmbeddingOutput,
+                                ScoringOutput)
 from engine.api.prompts import Prompt, per_prompt
+from engine.api.protocol import EngineFacts
 from engine.api.sampling_params import SamplingParams
 from engine.core.block_pool import BlockPool, hash_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput, batched_tokens
 from engine.core.sequence import Sequence, Status, collect_tokens
 from engine.core.stats import StatsCollector
-from engine.models.files import resolve_model_dir
+from engine.encoder_engine import NO_LORA, EncoderEngine
 from engine.lora.router import AdapterRouter
 from engine.models.pooling import read_pooling_info
 from engine.models.tokenizer import Tokenizer
-from engine.multimodal import ImageInputs, image_parts, media_policy
+from engine.multimodal import ImageInputs, media_policy
 from engine.core.paged import PagedPass
-from engine.pooling import EncoderRunner, Pooler
+from engine.pooling import Pooler
+from engine.pooling_calls import PoolingCalls
+from engine.prompt_reader import PromptReader
 from engine.runner.cuda_graph import graphs_supported
 from engine.runner.loader import import_apart
-from engine.runner.memory import keep_cpu_buffers, memory_report, profile_pool_blocks
+from engine.runner.memory import engine_weights_facts, keep_cpu_buffers, memory_report, model_len, pool_blocks
 from engine.runner.model_runner import ModelRunner
 from engine.sample.running_rows import RunningRows, Sampled, sample_seed
 from engine.sample.finish import finish_rows
 from engine.sample.prompt_logprobs import prompt_logprob_rows, collect_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
-from engine.reading_calls import ReadingCalls
+from engine.scoring import choice_rows
 from engine.structured import GrammarBackend
 
 log = logging.getLogger(__name__)
 
-NO_LORA = "LoRA is not enabled (set enable_lora)"
+
+def _config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    if config is not None and overrides:
+        raise TypeError("pass either an EngineConfig or keyword overrides, not both")
+    return config if config is not None else EngineConfig(**overrides)
 
 
-class LLMEngine(ReadingCalls):
-    """A single-process generation engine.
+class LLMEngine:
+    """A single-process generation engine (engine.api.Engine; SteppingEngine).
 
     >>> llm = LLMEngine(EngineConfig(model="builtin:tiny"))
     >>> outs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=8, temperature=0))
+
+    The config of an encoder model gives an EncoderEngine (engine.encoder_engine), which pools only.
     """
 
+    def __new__(cls, config: EngineConfig | None = None, **overrides):
+        if cls is LLMEngine:
+            config = _config(config, overrides)
+            info = read_pooling_info(config)
+            if info.kind == "encoder":
+                return EncoderEngine(config, info)
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        self.config = config if config is not None else EngineConfig(**overrides)
-        if config is not None and overrides:
-            raise TypeError("pass either an EngineConfig or keyword overrides, not both")
+        self.config = _config(config, overrides)
         import_apart()  # the modules that keep their importer's frames: never this constructor's
         self.batch_stats: list[BatchStats] = []  # every batch run so far, in order (pooling: one per call)
         self.pooling_info = read_pooling_info(self.config)
         """What the model says about embed, classify and score (engine.models.pooling)."""
-        if self.pooling_info.kind == "encoder":
-            self._start_encoder()
-            return
         self.runner = ModelRunner(self.config)
         if self.runner.device.type == "cpu":
             keep_cpu_buffers()
@@ -98,32 +111,22 @@ class LLMEngine(ReadingCalls):
                                    self.config.trust_remote_code, vision.family.rope_index(self.runner.model))
                        if vision is not None else None)
         """A vision-language model's image prompts (engine.multimodal), else None."""
+        self.prompts = PromptReader(self.config.model, self.tokenizer, self.runner.vocab_size, self.images)
+        """Prompts (text, token ids, image prompts, chat) -> token ids and images."""
         self.paged = PagedPass(self.runner, self.cache, self.pool, self.max_num_batched_tokens, self.max_model_len,
                                self.adapters.stamp, self.scheduler.salt_of)
         """What pooling and choice scoring passes need: the pieces, never this engine."""
-        self.pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
-                             paged=self.paged)
-
-    def _start_encoder(self) -> None:
-        """An encoder (BERT, RoBERTa, ModernBERT...): its own packed runner, no KV pool, no sampling."""
-        self.pooling_info.check_engine(self.config.quantization, self.config.tensor_parallel_size)
-        self.runner = EncoderRunner(self.config, resolve_model_dir(self.config), self.pooling_info)
-        self.tokenizer = Tokenizer(self.runner.hf_tokenizer)
-        self.max_model_len = self.config.max_model_len or self.pooling_info.max_len or CPU_POOL_TOKENS
-        self.max_num_batched_tokens = batched_tokens(self.config.max_num_batched_tokens,
-                                                     on_cpu=self.runner.device.type != "cuda")
-        self.tokenizer.max_tokens = self.max_model_len  # a chat prompt's length checked as it is rendered
-        self.cache = self.pool = None
-        self.images = None  # encoders take no images: chat messages render as text
-        self.adapters = AdapterRouter(self.runner, self.config.max_loras, NO_LORA if not self.config.enable_lora
-                                      else "encoder models take no LoRA adapters (LoRA runs on decoder models)")
-        self.pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
-                             encoder=self.runner)
+        pooler = Pooler(self.pooling_info, self.batch_stats, self.max_model_len, self.max_num_batched_tokens,
+                        paged=self.paged)
+        running, scheduler = self.running, self.scheduler  # the pieces: nothing below holds the engine
+        self.pooling = PoolingCalls(self.pooling_info, pooler, self.adapters,
+                                    busy=lambda: not running.empty or scheduler.has_work())
+        """embed, classify and score of a decoder pooling model (engine.pooling_calls)."""
 
     def _prepare(self) -> None:
         """Tokenizer, limits and KV pool: what can still fail once the runner (and its ranks) started."""
         self.tokenizer = Tokenizer(self.runner.hf_tokenizer, self.runner.eos_token_ids())
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = model_len(self.runner, self.config)
         self.tokenizer.max_tokens = self.max_model_len
         self.continuous = self.config.scheduling == "continuous"
         self.block_size = self.config.block_size
@@ -131,8 +134,23 @@ class LLMEngine(ReadingCalls):
                                                      on_cpu=self.runner.device.type != "cuda")
         if graphs_supported(self.runner) and not self.config.enforce_eager and self.runner.head == "causal":
             self.runner.enable_graphs(self.config.max_num_seqs, -(-self.max_model_len // self.block_size))
-        self.cache = self.runner.new_cache(self._pool_blocks(), self.block_size)
+        self.cache = self.runner.new_cache(pool_blocks(self.runner, self.config, self.block_size,
+                                                       self.max_num_batched_tokens, self.max_model_len), self.block_size)
         """The KV pool: allocated on the first forward pass, shared by every row, prefix and score."""
+
+    def refusal(self, task: str) -> str | None:
+        """Why this engine cannot run `task` (engine.api.protocol.TASKS); None if it can."""
+        return self.pooling_info.refusal("generate" if task in ("score_choices", "step") else task)
+
+    def facts(self) -> EngineFacts:
+        """What the manifest, the report and `batchinfer tune` say about this engine."""
+        fast_paths, gguf = engine_weights_facts(self.runner)
+        return EngineFacts(model=self.config.model, kind="generation", max_model_len=self.max_model_len,
+                           pool_tokens=self.pool_tokens, memory=self.memory, device=str(self.runner.device),
+                           dtype=str(self.runner.dtype).removeprefix("torch."),
+                           max_num_batched_tokens=self.max_num_batched_tokens, fast_paths=fast_paths, gguf=gguf,
+                           embedding_width=self.pooling_info.width,
+                           lora_slots=self.config.max_loras if self.runner.lora is not None else 0)
 
     def model_identity(self) -> dict:
         """What identifies the weights this engine runs ({"kind", "id"}: engine.models.identity)."""
@@ -143,8 +161,7 @@ class LLMEngine(ReadingCalls):
     def close(self) -> None:
         """Stops the engine's tensor-parallel ranks (if any); idempotent. Garbage collection and
         interpreter exit stop them too."""
-        if self.cache is not None:
-            self.runner.close()
+        self.runner.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -154,8 +171,8 @@ class LLMEngine(ReadingCalls):
 
     @property
     def pool_tokens(self) -> int:
-        """Token slots of the KV pool (max_batch_tokens as resolved); 0 for an encoder (none)."""
-        return self.pool.num_blocks * self.block_size if self.pool is not None else 0
+        """Token slots of the KV pool (max_batch_tokens as resolved)."""
+        return self.pool.num_blocks * self.block_size
 
     @property
     def memory(self) -> dict:
@@ -168,24 +185,6 @@ class LLMEngine(ReadingCalls):
     def prefix_cache_hit_rate(self) -> float:
         """Share of the prompt tokens looked up whose blocks were found cached."""
         return self.pool.hit_tokens / self.pool.queried_tokens if self.pool.queried_tokens else 0.0
-
-    def _pool_blocks(self) -> int:
-        tokens = self.config.max_batch_tokens
-        if tokens is None and self.runner.head != "causal":  # pooling only: what one pass of rows needs
-            return -(-max(self.max_num_batched_tokens, self.max_model_len) // self.block_size) + self.config.max_num_seqs
-        if tokens is None and self.runner.device.type == "cuda":
-            return profile_pool_blocks(self.runner, self.block_size, self.max_num_batched_tokens, self.max_model_len,
-                                       self.config.gpu_memory_utilization)
-        return max(1, (tokens or CPU_POOL_TOKENS) // self.block_size)  # the pool never exceeds the budget
-
-    def _max_model_len(self) -> int:
-        model_max = self.runner.max_position_embeddings
-        if self.config.max_model_len is None:
-            return model_max or (self.config.max_batch_tokens or CPU_POOL_TOKENS)
-        if model_max and self.config.max_model_len > model_max:
-            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({model_max})")
-        return self.config.max_model_len
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -200,10 +199,7 @@ class LLMEngine(ReadingCalls):
         seq = Sequence(index=self._next_index, prompt_token_ids=[], params=params, seed=seed)
         self._next_index += 1
         try:
-            if isinstance(prompt, dict):
-                seq.prompt_token_ids, seq.images = self._image_prompt(prompt)
-            else:
-                seq.prompt_token_ids = self._tokenize(prompt)
+            seq.prompt_token_ids, seq.images = self.prompts.read(prompt)
             check_request(params, self.runner.vocab_size, self.config.max_logprobs)
             seq.bad_words = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
             self.adapters.attach(seq, lora_request)
@@ -227,45 +223,20 @@ class LLMEngine(ReadingCalls):
             self.scheduler.add(s)
         return seq
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode_prompt(prompt, self.runner.vocab_size)
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text or token ids -> the token ids the model reads (ValueError or TypeError in one line)."""
+        return self.prompts.tokenize(prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int] | dict:
-        """A conversation as add_request takes it: the chat template's token ids, or, where its
-        content parts hold images (image_url, image_pil, image), an image prompt rendered by the
-        processor's template (engine.multimodal); a ValueError names what cannot be rendered."""
-        converted, sources = image_parts(messages)
-        if self.images is None and not sources:
-            return self.tokenizer.encode_chat(messages)
-        if self.images is None:
-            raise ValueError(f"{self.config.model} is a text-only model: it takes no images")
-        return self.chat_image_prompt(converted, sources, add_generation_prompt=True)
+        """A conversation as add_request takes it (engine.prompt_reader.PromptReader.encode_chat)."""
+        return self.prompts.encode_chat(messages)
 
     def chat_image_prompt(self, converted: list[dict], sources: list, **template_kwargs) -> dict:
-        """The image prompt of a conversation whose image parts image_parts() replaced (its images
-        `sources`), rendered by the processor's chat template; on a text-only model an empty one,
-        which add_request fails in one line."""
-        text = "" if self.images is None else self.images.chat_text(converted, **template_kwargs)
-        return {"prompt": text, "multi_modal_data": {"image": sources}, "add_special_tokens": False}
-
-    def _image_prompt(self, prompt: dict) -> tuple[list[int], list]:
-        """vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}} -> (token ids, the
-        images' spans); a ValueError in one line fails the row (a text-only model, a bad image)."""
-        data = prompt.get("multi_modal_data") or {}
-        if set(prompt) - {"prompt", "multi_modal_data", "add_special_tokens"} or not isinstance(prompt.get("prompt"), str) \
-                or not isinstance(data, dict) or set(data) - {"image"}:
-            raise TypeError(f"an image prompt is {{'prompt': text, 'multi_modal_data': {{'image': ...}}}}, got "
-                            f"keys {sorted(prompt)}")
-        sources = data.get("image")
-        sources = [] if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources]
-        if self.images is None:
-            if sources:
-                raise ValueError(f"{self.config.model} is a text-only model: it takes no images")
-            return self._tokenize(prompt["prompt"]), []
-        return self.images.prepare(prompt["prompt"], sources, prompt.get("add_special_tokens", True))
+        """The image prompt of a conversation (engine.prompt_reader.PromptReader.chat_image_prompt)."""
+        return self.prompts.chat_image_prompt(converted, sources, **template_kwargs)
 
     def has_unfinished(self) -> bool:
-        return self.cache is not None and (not self.running.empty or self.scheduler.has_work())
+        return not self.running.empty or self.scheduler.has_work()
 
     def abort(self, reason: str = "aborted") -> list[Sequence]:
         """Ends every unfinished request with finish_reason "error" and `reason` as its error, and
@@ -394,3 +365,32 @@ class LLMEngine(ReadingCalls):
             self.abort(f"generation stopped: {type(exc).__name__}")
             raise
         return [s.to_completion() for s in seqs]
+
+    # -- calls that sample nothing --------------------------------------------------------------
+
+    def score_choices(self, prompts: Seq[Prompt], choices: Seq[Seq[str | list[int]]],
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ChoiceScores]:
+        """Log-likelihood of each choice after its row's prompt: choices[i] are the candidates for
+        prompts[i]. A text choice after a text prompt is tokenized as part of prompt + choice (its
+        tokens are those beyond the prompt's), so write it as it would continue the prompt, e.g.
+        with its leading space. One ChoiceScores per row; rows of each adapter (lora_request: one
+        for all rows or one per row) are scored together."""
+        self.pooling_info.check("generate")
+        if len(prompts) != len(choices):
+            raise ValueError(f"got {len(prompts)} prompts but {len(choices)} choice lists")
+        rows = choice_rows(self.prompts, prompts, choices)
+        if self.has_unfinished():
+            raise EngineBusy("score_choices() called while generation requests are still running")
+        return rows.score(self.paged, self.adapters, per_prompt_lora(lora_request, len(prompts)))
+
+    def embed(self, prompts: Seq[Prompt] | Prompt, pooling_params=None, lora_request=None) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in input order; a bad row gets its error."""
+        return self.pooling.embed(prompts, pooling_params, lora_request)
+
+    def classify(self, prompts: Seq[Prompt] | Prompt, pooling_params=None, lora_request=None) -> list[ClassificationOutput]:
+        """Class probabilities (and the most probable id2label name) per prompt, in input order."""
+        return self.pooling.classify(prompts, pooling_params, lora_request)
+
+    def score(self, text_1, text_2, pooling_params=None, lora_request=None) -> list[ScoringOutput]:
+        """One score per pair (one text_1 for every text_2, or two lists): a cross-encoder's, or a cosine."""
+        return self.pooling.score(text_1, text_2, pooling_params, lora_request)

@@ -1,7 +1,7 @@
-"""`engine.LLM`: vLLM's offline class over LLMEngine, so code written for `vllm.LLM` runs with its
-import line changed. A thin face: the same engine, its results reshaped into vLLM's
-RequestOutput / CompletionOutput (engine.api.request_output); LLMEngine and Completion stay as
-they are."""
+"""`engine.LLM`: vLLM's offline class over an engine (`engine.build`: LLMEngine, or EncoderEngine for an
+encoder), so code written for `vllm.LLM` runs with its import line changed. A thin face over the
+engine's public methods: its results reshaped into vLLM's RequestOutput / CompletionOutput
+(engine.api.request_output); the engine and Completion stay as they are."""
 from __future__ import annotations
 
 import itertools
@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import fields
 
 from engine.api.config import EngineConfig
+from engine.api.errors import ModelLoadError
 from engine.api.lora import per_prompt_lora
 from engine.api.pooling import PoolingParams
 from engine.api.request_output import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
@@ -37,9 +38,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; the engine takes the EngineConfig "
                             f"fields: {', '.join(sorted(CONFIG_FIELDS - {'model'}))}")
-        from engine.llm_engine import LLMEngine
+        from engine.builder import build
 
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.llm_engine = build(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -64,8 +65,11 @@ class LLM:
         {"type": "image_url", "image_url": {"url": ...}} and {"type": "image_pil", "image_pil": ...}
         put images in a vision-language model's prompt (its processor's template renders them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        refusal = self.llm_engine.refusal("generate")
+        if refusal is not None:
+            raise ModelLoadError(refusal)
         tok = self.get_tokenizer()
-        images = getattr(self.llm_engine, "images", None)
+        images = self.llm_engine.images
         if images is None and chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: pass chat_template=")
         texts, ids = [], []
@@ -100,7 +104,7 @@ class LLM:
         """(texts or None, token ids) of each prompt; a text that does not tokenize stays a text,
         for the engine to fail that row alone."""
         texts, ids = [], []
-        tokenize = self.llm_engine._tokenize
+        tokenize = self.llm_engine.tokenize
         for p in _as_list(prompts):
             if isinstance(p, dict):
                 unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}

@@ -13,6 +13,8 @@ Full prompt blocks are named afterwards, so later rows and generation requests r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.api.outputs import ChoiceScores
@@ -21,6 +23,45 @@ from engine.core.block_pool import chain_hashes
 from engine.core.paged import PagedPass
 from engine.core.scheduler import ScheduledChunk
 from engine.core.sequence import LOGITS_BYTES, Sequence  # pass 2 runs in chunks of choice tokens under it
+
+
+@dataclass
+class ChoiceRows:
+    """A score_choices call's rows read into token ids: each prompt's ids, its choices' ids and its
+    images; rows that could not be read keep their error."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    choices: list[list[list[int]]] = field(default_factory=list)
+    images: list[list] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def score(self, paged: PagedPass, adapters, loras: list) -> list[ChoiceScores]:
+        """Every row's ChoiceScores, the rows of each adapter scored together (AdapterRouter.per_adapter)."""
+        scores = adapters.per_adapter(
+            loras, lambda rows: score_choices(paged, [self.prompts[i] for i in rows], [self.choices[i] for i in rows],
+                                              [self.images[i] for i in rows]),
+            lambda message: ChoiceScores([], [], 0, message))
+        for i, message in self.failed.items():
+            scores[i] = ChoiceScores([], [], 0, message)
+        return scores
+
+
+def choice_rows(reader, prompts, choices) -> ChoiceRows:
+    """Reads each row's prompt (engine.prompt_reader.PromptReader) and its choices as they continue it
+    (an image prompt's choices are tokenized on their own); a row that cannot be read keeps its error."""
+    rows = ChoiceRows()
+    for i, (p, cs) in enumerate(zip(prompts, choices)):
+        spans = []
+        try:
+            ids, spans = reader.read(p)
+            cids = [reader.tokenizer.continuation(None if spans else p, ids, c) for c in cs]
+        except (TypeError, ValueError) as exc:
+            rows.failed[i] = str(exc)
+            ids, cids = [], []
+        rows.prompts.append(ids)
+        rows.choices.append(cids)
+        rows.images.append(spans)
+    return rows
 
 
 def score_choices(paged: PagedPass, prompts: list[list[int]], choices: list[list[list[int]]],

@@ -122,10 +122,14 @@ def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -
     """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
     runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
     from engine import SamplingParams
-    from pipeline.tasks import start_engine, stop_engine
+    from pipeline.tasks import start_engine
 
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update=setting.__dict__)})
     llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
+    refusal = None if tasks.scoring else llm.refusal("step")  # first-token times need rows watched pass by pass
+    if refusal is not None:
+        llm.close()
+        raise ValueError(f"batchinfer tune: {refusal}")
     try:
         llm.generate(["warm-up"], SamplingParams(max_tokens=2))  # first-call allocations
         runs = []
@@ -133,9 +137,9 @@ def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -
             while not runs or (len(runs) < REPEATS and sum(r.seconds for r in runs) < MIN_SECONDS):
                 runs.append(_run_once(setting, llm, tasks, rows, ids))
     finally:
-        stop_engine(llm)  # the next setting's engine starts its own ranks
+        llm.close()  # the next setting's engine starts its own ranks
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-    run.memory = llm.memory
+    run.memory = llm.facts().memory
     run.kv_bytes_per_token = run.memory["kv_bytes"] // run.memory["kv_tokens"]
     run.peak_memory_bytes = memory.peak
     return run

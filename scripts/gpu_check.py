@@ -84,7 +84,8 @@ STAGES = (
           "bf16 agreement, int8 / int4 / fp8 (with a bias) near bf16 within their load bounds, NCCL tensor "
           "parallelism where two GPUs are seen"),
     Stage("engine_on_cuda", 50, (*PYTEST, "--engine-device", "cuda", *ENGINE_ON_CUDA),
-          ("engine/sample/token_options.py", "engine/runner/attention.py", "engine/runner/model_runner.py"),
+          ("engine/sample/token_options.py", "engine/runner/attention.py", "engine/runner/model_runner.py",
+           "engine/encoder_engine.py"),
           "the default suite's engine tests above on the GPU in float32 (" + ", ".join(
               Path(f).stem.removeprefix("test_") for f in ENGINE_ON_CUDA) + ")",
           requires={"tests/engine/test_structured_outputs.py": ("jsonschema", "xgrammar"),

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from engine.api.config import CPU_POOL_TOKENS
 from engine.api.errors import PoolSizingError
 from engine.api.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledChunk
@@ -220,3 +221,37 @@ def rank_loads(runner) -> dict:
         return {}
     return {"rank_weights_bytes": [runner.weights_nbytes] + [r["weights_bytes"] for r in others],
             "rank_load_peak_bytes": [runner.load_peak_bytes] + [r["load_peak_bytes"] for r in others]}
+
+
+def engine_weights_facts(runner) -> tuple[dict | None, dict | None]:
+    """(fast paths, GGUF source) of a model runner, for EngineFacts: each fast path's state where
+    one was checked or fell back (engine.runner.fast_paths), and the GGUF file it was read from."""
+    from engine.models import gguf_source
+
+    paths = getattr(runner, "paths", None)  # a tensor-parallel front may have none
+    source = gguf_source(getattr(runner, "model_dir", None) or "")
+    return (paths.facts() if paths is not None and paths.state else None), source
+
+
+def pool_blocks(runner, config, block_size: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The KV pool's blocks: max_batch_tokens' worth; unset, what one pass of rows needs for a pooling
+    model, the card's free memory on CUDA (profile_pool_blocks), else CPU_POOL_TOKENS' worth."""
+    tokens = config.max_batch_tokens
+    if tokens is None and runner.head != "causal":  # pooling only: what one pass of rows needs
+        return -(-max(max_num_batched_tokens, max_model_len) // block_size) + config.max_num_seqs
+    if tokens is None and runner.device.type == "cuda":
+        return profile_pool_blocks(runner, block_size, max_num_batched_tokens, max_model_len,
+                                   config.gpu_memory_utilization)
+    return max(1, (tokens or CPU_POOL_TOKENS) // block_size)  # the pool never exceeds the budget
+
+
+def model_len(runner, config) -> int:
+    """max_model_len as configured (checked against the model's positions), else the model's, else the
+    KV budget."""
+    model_max = runner.max_position_embeddings
+    if config.max_model_len is None:
+        return model_max or (config.max_batch_tokens or CPU_POOL_TOKENS)
+    if model_max and config.max_model_len > model_max:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({model_max})")
+    return config.max_model_len

@@ -103,9 +103,9 @@ class CommitRecord(Counts):
     max_batch_tokens: int | None = None
     """The engine budget the part was generated at."""
     engine: dict | None = None
-    """The engine that generated the part (pipeline.tasks.engines.ENGINE_FACTS): resolved device, dtype
+    """The engine that generated the part (engine.api.EngineFacts.record(): RECORD_FIELDS): resolved device, dtype
     and quantization, weights' bytes, KV pool blocks and bytes, max_num_batched_tokens; and `gguf`
-    (file, digest, tensor types: pipeline.tasks.engines.GGUF_FACTS) for a model read from a GGUF file."""
+    (file, digest, tensor types: engine.api.protocol.GGUF_FIELDS) for a model read from a GGUF file."""
 
     @classmethod
     def from_dict(cls, data: dict) -> CommitRecord:

@@ -1,8 +1,7 @@
 """What a row becomes: prompts, the generate / label / eval task per row, eval scores, OpenAI Batch
 request and response lines, and the output table. The engine; no Ray, no storage."""
 from pipeline.errors import TemplateError
-from pipeline.tasks.engines import (ENGINE_FACTS, build_engine, empty_device_cache, engine_facts, is_out_of_memory,
-                                    start_engine, stop_engine)
+from pipeline.tasks.engines import build_engine, empty_device_cache, is_out_of_memory, start_engine
 from pipeline.tasks.openai_requests import BatchRequest, parse_messages, parse_request
 from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, output_lines, request_for, response_line
 from pipeline.tasks.prompts import PromptBuilder, check_prompt, parse_template
@@ -11,8 +10,8 @@ from pipeline.tasks.scoring import Normalizer, extract_answer, group_key, normal
 from pipeline.tasks.table import COLUMN_TYPES, column_type, output_table
 from pipeline.tasks.task_runner import NO_MATCH, TaskRunner, row_seed
 
-__all__ = ["ENGINE_FACTS", "engine_facts", "COLUMN_TYPES", "NO_MATCH", "BatchRequest", "Choice", "Normalizer", "PromptBuilder", "RowResult",
+__all__ = ["COLUMN_TYPES", "NO_MATCH", "BatchRequest", "Choice", "Normalizer", "PromptBuilder", "RowResult",
            "TaskRunner", "TemplateError", "TokenLogprob", "build_engine", "check_prompt",
            "column_type", "empty_device_cache", "error_line", "extract_answer", "group_key", "is_out_of_memory",
            "normalize", "output_lines", "output_table", "parse_messages", "parse_request", "parse_template",
-           "request_for", "response_line", "row_seed", "score_columns", "score_row", "start_engine", "stop_engine"]
+           "request_for", "response_line", "row_seed", "score_columns", "score_row", "start_engine"]

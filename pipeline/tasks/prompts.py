@@ -16,6 +16,7 @@ from pipeline.errors import TemplateError
 from pipeline.tasks.openai_requests import parse_messages
 
 if TYPE_CHECKING:
+    from engine.api import Engine
     from pipeline.spec import InputSpec
 
 
@@ -129,16 +130,9 @@ def check_prompt(value) -> tuple[str | None, str | None]:
     return value, None
 
 
-def chat_or_error(engine, messages: list[dict]) -> tuple:
-    """(encode_chat's prompt, None), or (None, the one-line error of these messages)."""
+def chat_or_error(engine: Engine, messages: list[dict]) -> tuple:
+    """(the engine's encode_chat prompt, None), or (None, the one-line error of these messages)."""
     try:
-        return encode_chat(engine, messages), None
+        return engine.encode_chat(messages), None
     except (ValueError, TypeError) as exc:
         return None, str(exc)
-
-
-def encode_chat(engine, messages: list[dict]):
-    """Token ids of chat messages, or a vision-language engine's image prompt where they hold
-    images (LLMEngine.encode_chat); the echo engine renders text only."""
-    encode = getattr(engine, "encode_chat", None)
-    return encode(messages) if encode is not None else engine.tokenizer.encode_chat(messages)

@@ -28,11 +28,11 @@ from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_pooling import run_lines
 from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
 from pipeline.tasks.openai_responses import output_lines
-from pipeline.tasks.prompts import PromptBuilder, chat_or_error, encode_chat
+from pipeline.tasks.prompts import PromptBuilder, chat_or_error
 from pipeline.tasks.row_result import RowResult
 
 if TYPE_CHECKING:
-    from engine import LLMEngine
+    from engine.api import Engine
     from pipeline.spec import JobSpec
 
 NO_MATCH = "label_regex did not match the generated text"
@@ -46,7 +46,7 @@ def row_seed(base: int, row_id: str) -> int:
 class TaskRunner:
     """Turns rows into RowResults (the output row's engine fields and the task's own columns)."""
 
-    def __init__(self, spec: JobSpec, engine: LLMEngine, prompts: PromptBuilder | None = None):
+    def __init__(self, spec: JobSpec, engine: Engine, prompts: PromptBuilder | None = None):
         """`prompts` builds each row's prompt; default: from the spec's input section."""
         self.spec = spec
         self.engine = engine
@@ -72,8 +72,8 @@ class TaskRunner:
         self.label_regex = re.compile(label.label_regex) if labeling and label.label_regex else None
         self.labels = self.scoring or self.label_regex is not None or self.label_schema is not None
         self.pooling = self.task in POOLING_TASKS
-        info = getattr(engine, "pooling_info", None)
-        self.embedding_width = (spec.embed.dimensions or info.width) if self.task == "embed" and info else None
+        width = engine.facts().embedding_width if self.task == "embed" else None
+        self.embedding_width = (spec.embed.dimensions or width) if width is not None else None
         """task embed: the embedding column's fixed width (embed.dimensions, or the model's)."""
         self.adapters = adapter_requests(spec.lora.adapters)
         """With LoRA: adapter name -> LoRARequest (the spec's adapters, lora.path's listed in)."""
@@ -154,7 +154,7 @@ class TaskRunner:
         """Indices of the rows that run, and their prompts (text or token ids), sampling params
         and OpenAI requests (None for other inputs); sets `errors[i]` of a row that cannot run.
         OpenAI pooling lines go to `pooled` as (row, request)."""
-        refusal = getattr(getattr(self.engine, "pooling_info", None), "refusal", lambda task: None)("generate")
+        refusal = self.engine.refusal("generate")
         todo, prompts, params, requests = [], [], [], []
         for i, row in enumerate(rows):
             if errors[i] is not None:
@@ -181,7 +181,7 @@ class TaskRunner:
                 if self.sampling_column:
                     overrides = row_sampling(row.get(self.sampling_column), self.spec.sampling)
                 if isinstance(prompt, list):  # chat messages (with images: an image prompt for the engine)
-                    prompt = encode_chat(self.engine, prompt)
+                    prompt = self.engine.encode_chat(prompt)
                 sp = SamplingParams(**{"seed": row_seed(self.base_seed, ids[i]), **self.sampling, **overrides})
             except (ValueError, TypeError) as exc:
                 errors[i] = str(exc)
@@ -372,7 +372,7 @@ def _generated(c, sp, req, job_n: int = 1) -> RowResult:
         return result
 
     result = one(c.text, c.num_generated_tokens, c.finish_reason, c.error, c.logprobs)
-    result.prompt_logprobs = getattr(c, "prompt_logprobs", None)
+    result.prompt_logprobs = c.prompt_logprobs
     if sp.n == 1:
         if job_n > 1:
             result.samples = [replace(result)]  # its one sample: the only row it writes

@@ -17,7 +17,6 @@ from engine.runner import attention
 from engine.runner.fast_paths import DequantizedLinear, FastPaths, relative_difference
 from graph_stand_ins import stand_in_cuda_graphs
 from jobs.cli import report_table
-from pipeline.tasks import engine_facts
 
 PROMPTS = ["Hello there", "The quick brown fox jumps", "abc", "A longer prompt that spans a few blocks", "x"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -69,7 +68,7 @@ def test_a_faulty_cpu_kernel_falls_back_for_that_engine_only(monkeypatch, caplog
     warned = fell_back(caplog, "cpu_attention")
     assert len(warned) == 1 and "the torch attention instead" in warned[0]
     assert ("RuntimeError: illegal instruction" if fault is raising else "differs from the reference by 1") in warned[0]
-    facts = engine_facts(llm)["fast_paths"]
+    facts = llm.facts().fast_paths
     assert facts["cpu_attention"].startswith("fell back: ")
     # another engine decides for itself: with a kernel that works, it is checked and used
     calls = []
@@ -81,8 +80,8 @@ def test_a_faulty_cpu_kernel_falls_back_for_that_engine_only(monkeypatch, caplog
     monkeypatch.setattr(attention, "_KERNEL", [reference_kernel(paged_attention=counted)])
     good = tiny()
     assert tokens(good) == reference_tokens and len(calls) > 1
-    assert engine_facts(good)["fast_paths"] == {"cpu_attention": "checked"}
-    assert engine_facts(llm)["fast_paths"]["cpu_attention"].startswith("fell back")
+    assert good.facts().fast_paths == {"cpu_attention": "checked"}
+    assert llm.facts().fast_paths["cpu_attention"].startswith("fell back")
 
 
 def test_strict_kernels_turns_a_fallback_into_an_error(monkeypatch):
@@ -139,7 +138,7 @@ def test_cuda_graphs_are_checked_by_one_replay_against_eager(monkeypatch, caplog
     with caplog.at_level(logging.WARNING):
         got = tokens(llm)
     assert got == reference_tokens
-    graphs, state = llm.runner.graphs, engine_facts(llm)["fast_paths"]["cuda_graphs"]
+    graphs, state = llm.runner.graphs, llm.facts().fast_paths["cuda_graphs"]
     warned = fell_back(caplog, "cuda_graphs")
     if fault is None:
         assert state == "checked" and graphs.replays > 0 and not warned
@@ -177,7 +176,7 @@ def test_a_wrong_int8_gemm_falls_back_to_the_dequantized_product(monkeypatch, ca
     assert not any(isinstance(m, Int8Linear) and not isinstance(p, DequantizedLinear)
                    for p in bad.runner.model.modules() for m in p.children())
     assert tokens(bad) == want
-    assert engine_facts(bad)["fast_paths"]["int8_gemm"].startswith("fell back: differs from the reference by")
+    assert bad.facts().fast_paths["int8_gemm"].startswith("fell back: differs from the reference by")
 
 
 def test_int4_has_no_second_path_so_a_failed_check_refuses_to_start(monkeypatch):

@@ -11,7 +11,6 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.api.errors import ModelLoadError
 from engine.quantization import Int4Linear
 from engine.quantization.methods import Int8Linear
-from pipeline.tasks import engine_facts
 from test_packed_checkpoints import write
 from test_parity import PROMPTS
 from test_quantization import calibrated_input_scales, compressed_checkpoint
@@ -58,8 +57,8 @@ def test_a_quantized_model_runs_over_two_ranks_as_in_one_process(kind, method, s
         assert len(ranks) == 2 and ranks[0] == two.memory["weights_bytes"] and ranks[1] < ranks[0]  # (no head)
         peaks = two.memory["rank_load_peak_bytes"]  # (rank 0 may reuse memory this process freed: 0 then)
         assert len(peaks) == 2 and peaks[0] == two.memory["load_peak_bytes"] and peaks[1] > 0
-        facts = engine_facts(two)
-        assert facts["rank_weights_bytes"] == ranks and "rank_load_peak_bytes" not in engine_facts(one)
+        facts = two.facts().record()
+        assert facts["rank_weights_bytes"] == ranks and "rank_load_peak_bytes" not in one.facts().record()
         outs = two.generate(PROMPTS, PARAMS)
     agree = sum(a.token_ids == b.token_ids for a, b in zip(want, outs))
     # int4 shards hold one process's groups exactly (only the all-reduce's order of sums differs);

@@ -17,8 +17,7 @@ from engine.api import RankError, one_line
 from pipeline.errors import FatalShardError, LockLost
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, owned_by, read_shard, with_retries
 from pipeline.run.shards import chaos
-from pipeline.tasks import (empty_device_cache, engine_facts, is_out_of_memory, output_table, start_engine,
-                            stop_engine)
+from pipeline.tasks import empty_device_cache, is_out_of_memory, output_table, start_engine
 
 if TYPE_CHECKING:
     from pipeline.spec import Job
@@ -117,7 +116,7 @@ class ShardWorker(EngineActor):
                          cached_prompt_tokens=cached,
                          read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
                          oom_retries=len(budgets), oom_budgets=budgets,
-                         max_batch_tokens=self._pool_tokens(), engine=engine_facts(self.engine))
+                         max_batch_tokens=self._pool_tokens(), engine=self.engine.facts().record())
         chaos.point("shard")
         before_commit = time.perf_counter()
         record.seconds = before_commit - started
@@ -171,13 +170,13 @@ class ShardWorker(EngineActor):
         """The KV pool's tokens: the configured max_batch_tokens, else what the engine sized."""
         if self.engine_config.max_batch_tokens is not None:
             return self.engine_config.max_batch_tokens
-        return getattr(self.engine, "pool_tokens", None) or CPU_POOL_TOKENS
+        return self.engine.facts().pool_tokens or CPU_POOL_TOKENS
 
     def _halve_budget(self) -> int:
         budget = self._pool_tokens() // 2
         self.engine_config = replace(self.engine_config, max_batch_tokens=budget)
         log.warning("out of memory on a shard: rebuilding the engine with max_batch_tokens=%d", budget)
-        stop_engine(self.engine)  # its tensor-parallel ranks, and their memory, go before the new one loads
+        self.engine.close()  # its tensor-parallel ranks, and their memory, go before the new one loads
         self.engine = self.tasks = None  # let the old engine's memory go before the new one loads
         gc.collect()
         empty_device_cache()
@@ -185,7 +184,7 @@ class ShardWorker(EngineActor):
         return budget
 
     def _restart_engine(self) -> None:
-        stop_engine(self.engine)
+        self.engine.close()
         self.engine = self.tasks = None
         gc.collect()
         empty_device_cache()  # the next engine sizes its pool from what the card has free

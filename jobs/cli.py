@@ -133,8 +133,8 @@ def summary_table(result) -> str:
 def validate(config, model, input_, output, overrides, verbose):
     """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
     from pipeline.errors import InputError, JobError
-    from pipeline.io import Storage, plan_shards
-    from pipeline.run import check_adapters, preflight, with_adapters
+    from pipeline.io import Storage
+    from pipeline.run import check_adapters, job_shards, output_plan, preflight, with_adapters
     from pipeline.spec import Job
 
     spec = _load(config, model, input_, output, overrides)
@@ -145,7 +145,7 @@ def validate(config, model, input_, output, overrides, verbose):
             check_adapters(spec)
             storage = Storage(spec.input.path, spec.input.storage_options)
             rows = shards = 0
-            for shard in plan_shards(storage, files, spec.workers.rows_per_batch, spec.workers.shard_bytes):
+            for shard in job_shards(spec, files, output_plan(spec)):  # the shards `run` would cut
                 rows += shard.stop - shard.start
                 shards += 1
         except (JobError, InputError) as exc:

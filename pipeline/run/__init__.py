@@ -13,10 +13,11 @@ from pipeline.run.checks.preflight import check_model, input_columns, preflight
 from pipeline.run.driver import JobResult, run_job
 from pipeline.run.reporting.progress import Progress, ProgressBar, as_progress
 from pipeline.run.reporting.report import PartTotals, output_report
+from pipeline.run.shards.planner import job_shards, output_plan
 from pipeline.run.shards.ray_env import ensure_ray
 from pipeline.run.shards.resources import actor_request, engine_stage_args
 from pipeline.run.shards.worker import EngineActor, ShardWorker
 
 __all__ = ["EngineActor", "JobError", "JobResult", "OutputConflict", "PartTotals", "Progress", "ProgressBar",
            "ShardWorker", "actor_request", "as_progress", "check_model", "engine_stage_args", "ensure_ray",
-           "input_columns", "output_report", "preflight", "run_job", "check_adapters", "with_adapters"]
+           "input_columns", "job_shards", "output_plan", "output_report", "preflight", "run_job", "check_adapters", "with_adapters"]

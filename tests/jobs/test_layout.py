@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,14 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 def run(*args):
     result = CliRunner().invoke(main, ["run", *map(str, args)], catch_exceptions=False)
     return result.exit_code, result.output
+
+
+def validated(*args) -> tuple[int, int]:
+    """(rows, shards) as `batchinfer validate` counts them for the run's arguments."""
+    result = CliRunner().invoke(main, ["validate", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    rows, shards = re.search(r"(\d+) rows \(JSONL: lines\), (\d+) shards", result.output).groups()
+    return int(rows), int(shards)
 
 
 def test_the_manifest_points_to_an_index_in_several_files(tmp_path, monkeypatch):
@@ -139,8 +148,10 @@ def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes
     out = tmp_path / "out"
     args = ["--input", tmp_path / "in", "--output", out, "--set", "model=builtin:echo",
             "--set", "workers.shard_bytes=700", "--set", "sampling.max_tokens=1"]
+    before = validated(*args)  # batchinfer validate plans as the run's tasks do: the same counts
     code, text = run(*args)
     assert code == 0, text
+    assert before == (61, len(list((out / "data").iterdir())))
     job = json.loads((out / "_job.json").read_text())
     size = (tmp_path / "in" / "big.jsonl").stat().st_size
     segments = -(-size // 300)  # 8 to a planning task (FILES_PER_PLAN_TASK), as they are small
@@ -159,6 +170,7 @@ def test_a_large_jsonl_file_is_planned_in_segments_by_parallel_tasks_and_resumes
     for part in parts[1::2]:
         part.unlink()
     monkeypatch.setattr(planner, "SEGMENT_BYTES", 10_000)  # the output's own segment size wins
+    assert validated(*args) == before  # validate reads the output's plan too
     code, text = run(*args)
     assert code == 0, text
     assert sorted(committed_ids(out)) == expected and len(list((out / "data").iterdir())) == len(parts)

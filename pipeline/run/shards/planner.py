@@ -7,6 +7,9 @@ no process ever holds the whole plan. A JSONL file larger than SEGMENT_BYTES is 
 segments by parallel tasks (pipeline.io.source.plan_segment); each numbers its lines once a small
 actor (LineSequencer) has the line counts of the segments before it.
 
+`batchinfer validate` plans the same shards in its own process, one unit after another
+(job_shards), so its counts are the job's.
+
 On a resume a task also marks the shards whose part is already committed (one existence check
 per shard, plus its commit record), and the actors pass those through without work. Each task
 records what it planned under _plan/, so a partial report can say how many shards the input has.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import pyarrow as pa
 
@@ -156,6 +159,41 @@ def plan_groups(units: list[Unit]) -> list[list[int]]:
         byte_cap *= 2  # greedy packing left too many tasks: looser byte limit
 
 
+def unit_shards(storage: Storage, unit: Unit, plan: ShardPlan) -> tuple[list[Shard], int]:
+    """A unit's shards, with line numbers counted from the unit's first line, and its line count."""
+    if unit.segments > 1:
+        return plan_segment(storage, unit.path, unit.name, unit.start, unit.stop, plan.rows, plan.bytes, attempts=5)
+    shards = plan_file(storage, unit.path, unit.name, unit.format, plan.rows, plan.bytes, attempts=5)
+    return shards, shards[-1].stop if shards else 0
+
+
+def under_adapters(spec: JobSpec, shards: list[Shard]) -> list[Shard]:
+    """With lora.each, every shard once per adapter (a unit of work and of commit each); else the shards."""
+    if not spec.lora.each:
+        return shards
+    return [u for s in shards for u in s.under_adapters(spec.lora.each_adapters)]
+
+
+def job_shards(spec: JobSpec, files: list, plan: ShardPlan) -> Iterator[Shard]:
+    """Every shard of the job, in order, as its planning tasks cut them, planned here in this
+    process without Ray (batchinfer validate): a segment's lines numbered after the segments before."""
+    storage = Storage(spec.input.path, spec.input.storage_options)
+    before: dict[str, int] = {}
+    for unit in plan_units(files, plan.segment_bytes):
+        shards, lines = unit_shards(storage, unit, plan)
+        offset = before.get(unit.name, 0)
+        before[unit.name] = offset + lines
+        if offset:
+            shards = [replace(s, start=s.start + offset, stop=s.stop + offset) for s in shards]
+        yield from under_adapters(spec, shards)
+
+
+def output_plan(spec: JobSpec) -> ShardPlan:
+    """The plan a run of `spec` cuts: its output's own (_job.json), else a new output's."""
+    record = JobRecord.read(OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format))
+    return shard_plan(spec, record if record is not None else JobRecord(**new_plan_record()))
+
+
 def plan_blocks(files: list, segment_bytes: int | None = None) -> int:
     """How many planning tasks plan `files`."""
     return len(plan_groups(plan_units(files, segment_bytes)))
@@ -196,14 +234,12 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, se
     units = [Unit(**{f: columns[f][i] for f in columns}, size=None) for i in range(len(columns["path"]))]
     shards: list[Shard] = []
     for u in units:
-        if u.segments == 1:
-            shards += plan_file(storage, u.path, u.name, u.format, plan.rows, plan.bytes, attempts=5)
-            continue
-        local, lines = plan_segment(storage, u.path, u.name, u.start, u.stop, plan.rows, plan.bytes, attempts=5)
-        before = ray.get(sequencer.offset.remote(u.name, u.segment, lines))
-        shards += [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
-    if spec.lora.each:  # every row under every adapter: a unit of work (and of commit) per shard and adapter
-        shards = [u for s in shards for u in s.under_adapters(spec.lora.each_adapters)]
+        local, lines = unit_shards(storage, u, plan)
+        if u.segments > 1:
+            before = ray.get(sequencer.offset.remote(u.name, u.segment, lines))
+            local = [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
+        shards += local
+    shards = under_adapters(spec, shards)
     committed = [_committed(out, s) if resume else "" for s in shards]
     _record(out, units, shards, time.perf_counter() - started)
     columns = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names[:-1]}

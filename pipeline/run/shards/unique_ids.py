@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.errors import InputError, JobError
-from pipeline.io import Shard, Storage, plan_file, plan_segment, read_shard, with_retries
-from pipeline.run.shards.planner import PLAN_TASK_MEMORY, ShardPlan, Unit, plan_groups, plan_units
+from pipeline.io import Storage, read_shard, with_retries
+from pipeline.run.shards.planner import PLAN_TASK_MEMORY, ShardPlan, Unit, plan_groups, plan_units, unit_shards
 from pipeline.run.shards.ray_env import worker_cause
 
 if TYPE_CHECKING:
@@ -198,17 +198,11 @@ def _ids(storage: Storage, unit: Unit, column: str, plan: ShardPlan):
             if value is not None:
                 yield row, value
         return
-    for shard in _shards(storage, unit, plan):
+    for shard in unit_shards(storage, unit, plan)[0]:
         rows, derived, _ = with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}")
         for r, name in zip(rows, derived):
             if r.get(column) is not None:
                 yield int(name.rsplit(":", 1)[1]), r[column]
-
-
-def _shards(storage: Storage, unit: Unit, plan: ShardPlan) -> list[Shard]:
-    if unit.segments > 1:
-        return plan_segment(storage, unit.path, unit.name, unit.start, unit.stop, plan.rows, plan.bytes, attempts=5)[0]
-    return plan_file(storage, unit.path, unit.name, unit.format, plan.rows, plan.bytes, attempts=5)
 
 
 def _place(units: list[Unit], unit: int, row: int) -> Place:

@@ -19,11 +19,15 @@ import gc
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.api import CPU_POOL_TOKENS
 
 from jobs.spec import JobSpec
+
+if TYPE_CHECKING:
+    from pipeline.spec import Row
 
 SCHEDULING = ("static", "continuous")
 DEFAULT_ROWS = 256
@@ -100,25 +104,24 @@ def make_grid(spec: JobSpec, max_batch_tokens: list[int] | None = None, max_num_
                                                             dict.fromkeys(scheduling))]
 
 
-def sample_rows(spec: JobSpec, n: int) -> tuple[list[dict], list[str]]:
+def sample_rows(spec: JobSpec, n: int) -> list[Row]:
     """The first `n` readable rows of the job's input, with their ids (lines that do not parse
     are left out)."""
     from pipeline.io import Storage, list_inputs, plan_shards, read_shard
 
     storage = Storage(spec.input.path, spec.input.storage_options)
-    rows, ids = [], []
+    rows = []
     for shard in plan_shards(storage, list_inputs(storage, spec.input.format), n):
-        for row, row_id, error in zip(*read_shard(storage, shard)):
-            if error is None:
-                rows.append(row)
+        for row in read_shard(storage, shard):
+            if row.error is None:
                 own = row.get(spec.input.id_column) if spec.input.id_column else None
-                ids.append(row_id if own is None else str(own))
+                rows.append(row if own is None else replace(row, id=str(own)))
         if len(rows) >= n:
             break
-    return rows[:n], ids[:n]
+    return rows[:n]
 
 
-def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -> Measurement:
+def measure(spec: JobSpec, setting: Setting, rows: list[Row]) -> Measurement:
     """Runs the sample through a fresh engine at `setting`, after a short warm-up. A sample that
     runs in under MIN_SECONDS is run again (up to REPEATS times) and the median run is kept."""
     from engine import SamplingParams
@@ -135,7 +138,7 @@ def measure(spec: JobSpec, setting: Setting, rows: list[dict], ids: list[str]) -
         runs = []
         with _MemoryPeak() as memory:
             while not runs or (len(runs) < REPEATS and sum(r.seconds for r in runs) < MIN_SECONDS):
-                runs.append(_run_once(setting, llm, tasks, rows, ids))
+                runs.append(_run_once(setting, llm, tasks, rows))
     finally:
         llm.close()  # the next setting's engine starts its own ranks
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
@@ -149,18 +152,16 @@ def _run_once(setting: Setting, llm, tasks, rows, ids) -> Measurement:
     """One pass over the sample."""
     llm.batch_stats.clear()
     start = time.perf_counter()
-    counts, ttft = _score(tasks, rows, ids) if tasks.scoring else _generate(llm, tasks, rows, ids, start)
+    counts, ttft = _score(tasks, rows) if tasks.scoring else _generate(llm, tasks, rows, start)
     seconds = time.perf_counter() - start
     slots = max((s.reserved_tokens for s in llm.batch_stats), default=None)
     return Measurement(setting, seconds, rows=len(rows), **counts, ttft=ttft, peak_kv_tokens=slots)
 
 
-def _generate(llm, tasks, rows, ids, start: float) -> tuple[dict, list[float]]:
+def _generate(llm, tasks, rows, start: float) -> tuple[dict, list[float]]:
     """The job's prompts and sampling, submitted one request each so that every request's first
     token time can be read."""
-    errors = [None] * len(rows)
-    _, prompts, params, _ = tasks.prepare(rows, ids, errors)
-    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seqs = [llm.add_request(r.prompt, r.params) for r in tasks.requests(rows)]
     while llm.has_unfinished():
         llm.step()
     done = [s.to_completion() for s in seqs]
@@ -170,9 +171,9 @@ def _generate(llm, tasks, rows, ids, start: float) -> tuple[dict, list[float]]:
     return counts, [s.first_token_time - start for s in seqs if s.first_token_time is not None]
 
 
-def _score(tasks, rows, ids) -> tuple[dict, list[float]]:
+def _score(tasks, rows) -> tuple[dict, list[float]]:
     """Labeling by choice scoring: the job's own task code; no tokens are generated."""
-    results = tasks.run(rows, ids, [None] * len(rows))
+    results = tasks.run(rows)
     return {"errors": sum(r.finish_reason == "error" for r in results), "generated_tokens": 0,
             "prompt_tokens": sum(r.num_prompt_tokens for r in results)}, []
 
@@ -236,13 +237,13 @@ def recommend(results: list[Measurement], memory_limit: int | None) -> Measureme
 
 def run_tune(spec: JobSpec, rows: int, settings: list[Setting], progress=print) -> list[Measurement]:
     """Measures every setting on the first `rows` rows of the job's input."""
-    sample, ids = sample_rows(spec, rows)
+    sample = sample_rows(spec, rows)
     if not sample:
         raise ValueError(f"no readable rows in {spec.input.path}")
     results = []
     for i, setting in enumerate(settings, 1):
         progress(f"[{i}/{len(settings)}] {setting.flags()} on {len(sample)} rows")
-        results.append(measure(spec, setting, sample, ids))
+        results.append(measure(spec, setting, sample))
         gc.collect()  # the setting's engine, before the next one is measured
     return results
 

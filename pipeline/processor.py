@@ -23,7 +23,7 @@ from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
 from pipeline.run import EngineActor, engine_stage_args, with_adapters
 from pipeline.run.shards.devices import picks_devices, resolve_devices
-from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, validate
+from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, Row, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,11 @@ class RowWorker(EngineActor):
         return self.on_engine_thread(self._rows, batch)
 
     def _rows(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
-        ids = [row_id(row) for row in rows]
+        rows = [Row(row_id(values), values) for values in batch.to_pylist()]
         if not self.spec.lora.each:
-            results = self.tasks.run(rows, ids, [None] * len(rows))
-            return output_table(self.spec, rows, ids, results, self.tasks.embedding_width)
+            return output_table(self.spec, rows, self.tasks.run(rows), self.tasks.embedding_width)
         # every row under every adapter (and the base model with include_base)
-        tables = [output_table(self.spec, rows, ids, self.tasks.run(rows, ids, [None] * len(rows), name),
-                               self.tasks.embedding_width)
+        tables = [output_table(self.spec, rows, self.tasks.run(rows, name), self.tasks.embedding_width)
                   for name in self.spec.lora.each_adapters]
         return pa.concat_tables(tables)
 

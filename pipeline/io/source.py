@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from pipeline.errors import InputError
 from pipeline.io.storage import Storage, with_retries
 from pipeline.io.text import without_lone_surrogates
+from pipeline.spec import Row
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -303,8 +304,9 @@ def _nth_newline(block: bytes, pos: int, n: int) -> int:
     return idx
 
 
-def read_shard(storage: Storage, shard: Shard) -> tuple[list[dict], list[str], list[str | None]]:
-    """(rows, derived ids, per-row parse errors) of a shard; blank JSONL lines are skipped."""
+def read_shard(storage: Storage, shard: Shard) -> list[Row]:
+    """The rows of a shard, each with its derived id (file:line) and its parse error; blank JSONL lines
+    are skipped."""
     if shard.format == "parquet":
         try:
             with storage.fs.open(shard.file, "rb") as f:
@@ -313,29 +315,25 @@ def read_shard(storage: Storage, shard: Shard) -> tuple[list[dict], list[str], l
             raise OSError(f"cannot read rows {shard.start}-{shard.stop} of {shard.name}: {exc}") from exc
         if table.num_rows != shard.stop - shard.start:
             raise OSError(f"short read of {shard.name}: {table.num_rows} of {shard.stop - shard.start} rows")
-        rows = table.to_pylist()
-        return rows, [f"{shard.name}:{shard.start + i}" for i in range(len(rows))], [None] * len(rows)
+        return [Row(f"{shard.name}:{shard.start + i}", values) for i, values in enumerate(table.to_pylist())]
     with storage.fs.open(shard.file, "rb") as f:
         f.seek(shard.byte_start)
         data = f.read(shard.byte_stop - shard.byte_start)
     if len(data) != shard.byte_stop - shard.byte_start:  # never commit a silently truncated shard
         raise OSError(f"short read of {shard.name}: {len(data)} of {shard.byte_stop - shard.byte_start} bytes")
-    rows, ids, errors = [], [], []
+    rows = []
     for i, raw in enumerate(data.split(b"\n")[: shard.stop - shard.start]):
         if not raw.strip():
             continue
         line = shard.start + i
-        ids.append(f"{shard.name}:{line}")
         try:
             value = json.loads(raw)
             if not isinstance(value, dict):
                 raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-            rows.append(without_lone_surrogates(value) if b"\\u" in raw else value)
-            errors.append(None)
+            rows.append(Row(f"{shard.name}:{line}", without_lone_surrogates(value) if b"\\u" in raw else value))
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            rows.append({})
-            errors.append(f"{shard.name} line {line + 1}: malformed JSON ({_short(exc)})")
-    return rows, ids, errors
+            rows.append(Row(f"{shard.name}:{line}", {}, f"{shard.name} line {line + 1}: malformed JSON ({_short(exc)})"))
+    return rows
 
 
 def _parquet_slice(pf: pq.ParquetFile, start: int, stop: int) -> pa.Table:

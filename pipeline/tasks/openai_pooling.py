@@ -13,8 +13,12 @@ from __future__ import annotations
 import base64
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.api import Engine
 
 EMBEDDINGS_URL = "/v1/embeddings"
 SCORE_URL = "/v1/score"
@@ -126,11 +130,11 @@ def _encoded(vector: list[float], as_base64: bool):
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
-def run_lines(engine, requests: list[PoolingRequest], loras: list | None = None) -> list[tuple[list | None, str | None]]:
+def run_lines(engine: Engine, requests: list[PoolingRequest], loras: list | None = None) -> list[tuple[list | None, str | None]]:
     """Runs every line's inputs (one engine call per kind); per line, (its outputs, None) or
     (None, why it failed: the first failed input's error, or what the model cannot serve).
     `loras`: with LoRA, each line's LoRARequest (None: the base model)."""
-    from engine.api import ModelLoadError, PoolingParams
+    from engine.api import PoolingParams
 
     results: list[tuple[list | None, str | None]] = [(None, None)] * len(requests)
     for kind in ("embed", "score"):
@@ -139,17 +143,16 @@ def run_lines(engine, requests: list[PoolingRequest], loras: list | None = None)
             continue
         flat = [(i, item) for i in lines for item in requests[i].inputs]
         lora = {} if loras is None else {"lora_request": [loras[i] for i, _ in flat]}
-        try:
-            if kind == "embed":
-                outs = engine.embed([item for _, item in flat],
-                                    [PoolingParams(dimensions=requests[i].dimensions) for i, _ in flat], **lora)
-            else:
-                outs = engine.score([a for _, (a, _) in flat], [b for _, (_, b) in flat], **lora)
-        except (ModelLoadError, AttributeError) as exc:  # a model that cannot serve the endpoint
-            message = str(exc) if isinstance(exc, ModelLoadError) else f"{kind}: this engine cannot pool"
+        refusal = engine.refusal(kind)  # a model that cannot serve the endpoint: every such line's error
+        if refusal is not None:
             for i in lines:
-                results[i] = (None, message)
+                results[i] = (None, refusal)
             continue
+        if kind == "embed":
+            outs = engine.embed([item for _, item in flat],
+                                [PoolingParams(dimensions=requests[i].dimensions) for i, _ in flat], **lora)
+        else:
+            outs = engine.score([a for _, (a, _) in flat], [b for _, (_, b) in flat], **lora)
         per_line: dict[int, list] = {i: [] for i in lines}
         for (i, _), out in zip(flat, outs):
             per_line[i].append(out)

@@ -11,7 +11,7 @@ from pipeline.spec import SAMPLE_INDEX, SCORE_PREFIX, output_columns
 from pipeline.tasks.label_fields import fields_type
 
 if TYPE_CHECKING:
-    from pipeline.spec import JobSpec
+    from pipeline.spec import JobSpec, Row
     from pipeline.tasks.row_result import RowResult
 
 _SCORES = pa.list_(pa.float64())
@@ -36,8 +36,7 @@ def column_type(name: str, spec: JobSpec | None = None, width: int | None = None
     return COLUMN_TYPES.get(name)
 
 
-def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[RowResult],
-                 width: int | None = None) -> pa.Table:
+def output_table(spec: JobSpec, rows: list[Row], results: list[RowResult], width: int | None = None) -> pa.Table:
     """The output rows: id, the passed-through input columns, then the task's columns (`width`:
     the embedding's, so every part of an embed job has one fixed-size list type)."""
     keep = spec.input.columns
@@ -48,8 +47,9 @@ def output_table(spec: JobSpec, rows: list[dict], ids: list[str], results: list[
     hidden = {spec.input.image_column} if keep is None and spec.input.image_column else set()
     n = spec.sampling.n
     out = []
-    for row, row_id, result in zip(rows, ids, results):
-        passed = {name: value for name, value in row.items()
+    for row, result in zip(rows, results):
+        row_id = row.id
+        passed = {name: value for name, value in row.values.items()
                   if (keep is None or name in keep) and name not in produced and name != "id" and name not in hidden}
         # n > 1: one row per sample, the input row's id and columns on each, its index after the id
         for sample in result.sample_results(n) if n > 1 else [result]:

@@ -181,6 +181,7 @@ def test_embeddings_under_an_adapter_equal_the_merged_models(family, tmp_path):
 
 def test_openai_batch_lines_take_the_adapter_their_body_model_names(family, tmp_path):
     validate = pytest.importorskip("pipeline.spec", reason="the job runner's spec needs pydantic").validate
+    from pipeline.spec import Row
     from pipeline.tasks import TaskRunner
 
     base, adapters, requests = family
@@ -194,7 +195,7 @@ def test_openai_batch_lines_take_the_adapter_their_body_model_names(family, tmp_
                "body": {"model": m, "prompt": "abc", "max_tokens": MAX_NEW, "temperature": 0}}
               for i, m in enumerate(["all", "gpt-4o-mini"])]
     runner = TaskRunner(spec, llm)
-    results = runner.run(lines, ["e0", "e1", "c0", "c1"], [None] * 4)
+    results = runner.run(Row.batch(lines, ["e0", "e1", "c0", "c1"]))
     assert [r.adapter for r in results] == ["all", None, "all", None]
     assert [r.error for r in results] == [None] * 4
     want = [llm.embed([[5, 6, 7]], lora_request=requests["all"])[0].embedding, llm.embed([[5, 6, 7]])[0].embedding]

@@ -22,6 +22,7 @@ from engine.structured.check import OutputCheck
 from jobs.spec import validate
 from pipeline.errors import InputError
 from pipeline.io.adapters import list_adapters
+from pipeline.spec import Row
 from pipeline.tasks.task_runner import TaskRunner
 
 HOSTILE = Path(__file__).resolve().parents[1] / "data" / "hostile"
@@ -148,7 +149,7 @@ def test_rows_sampling_params_fail_their_own_row(tiny):
                      "output": {"path": "out/"}, "sampling": {"max_tokens": 3, "temperature": 0}})
     rows = [{"prompt": "a", "params": built(c["params"], "params")} for c in cases] + [{"prompt": "a", "params": None}]
     started = time.monotonic()
-    results = TaskRunner(spec, tiny).run(rows, [str(i) for i in range(len(rows))], [None] * len(rows))
+    results = TaskRunner(spec, tiny).run(Row.batch(rows, [str(i) for i in range(len(rows))]))
     assert time.monotonic() - started < 20  # a million logit_bias keys are counted, not converted
     for case, result in zip(cases, results):
         assert_outcome(case, result.error, result.finish_reason)
@@ -163,8 +164,8 @@ def test_openai_batch_lines_fail_their_own_line_and_fetch_nothing(server, tiny, 
                      "output": {"path": str(tmp_path / "out"), "format": "openai_batch"}})
     runner = TaskRunner(spec, tiny)
     ids = [x["custom_id"] for x in lines]
-    results = runner.run(lines, ids, [None] * len(lines))
-    written = [json.loads(x) for x in runner.openai_lines(lines, ids, results, 1700000000)]
+    results = runner.run(Row.batch(lines, ids))
+    written = [json.loads(x) for x in runner.openai_lines(Row.batch(lines, ids), results, 1700000000)]
     for case, line, result in zip(cases, written, results):
         assert line["custom_id"] == case["line"]["custom_id"]  # ids are data: echoed as given
         assert_outcome(case, result.error, result.finish_reason)
@@ -194,7 +195,7 @@ def test_a_model_files_chat_template_runs_sandboxed_and_fails_its_row(case, temp
     spec = validate({"model": str(templated[case["case"]]), "input": {"path": "in.jsonl", "messages_column": "m"},
                      "output": {"path": "out/"}, "sampling": {"max_tokens": 2, "temperature": 0}})
     rows = [{"m": [{"role": "user", "content": text}]} for text in case["contents"]]
-    results = TaskRunner(spec, llm).run(rows, [str(i) for i in range(len(rows))], [None] * len(rows))
+    results = TaskRunner(spec, llm).run(Row.batch(rows, [str(i) for i in range(len(rows))]))
     assert_outcome(case, results[0].error, results[0].finish_reason)
     assert all(r.error is None for r in results[1:]), [r.error for r in results]
 

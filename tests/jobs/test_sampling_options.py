@@ -8,7 +8,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from pipeline.errors import SpecError
-from pipeline.spec import output_columns, validate
+from pipeline.spec import Row, output_columns, validate
 from pipeline.tasks import TaskRunner
 
 BASE = {"input": {"path": "in.jsonl"}, "output": {"path": "out/"}}
@@ -24,12 +24,12 @@ def test_a_jobs_sampling_section_carries_the_token_options(tiny):
     a, b = hf.convert_tokens_to_ids(["a", "b"])
     sampling = {"max_tokens": 8, "seed": 1, "ignore_eos": True, "allowed_token_ids": [a, b], "bad_words": ["aa"]}
     runner = TaskRunner(validate({**BASE, "sampling": sampling}), tiny)
-    results = runner.run([{"prompt": f"row {i}"} for i in range(4)], [str(i) for i in range(4)], [None] * 4)
+    results = runner.run(Row.batch([{"prompt": f"row {i}"} for i in range(4)], [str(i) for i in range(4)]))
     for r in results:
         assert r.error is None and set(r.generated_text) <= {"a", "b"} and "aa" not in r.generated_text and len(r.generated_text) == 8
     forced = TaskRunner(validate({**BASE, "sampling": {"max_tokens": 3, "temperature": 0, "ignore_eos": True,
                                                         "logit_bias": {str(b): 100}}}), tiny)
-    assert forced.run([{"prompt": "x"}], ["0"], [None])[0].generated_text == "bbb"
+    assert forced.run(Row.batch([{"prompt": "x"}], ["0"]))[0].generated_text == "bbb"
 
 
 def test_the_options_count_in_the_fingerprint_only_when_set():
@@ -51,7 +51,7 @@ def test_a_rows_sampling_column_overrides_the_section_for_that_row(tiny):
             {"prompt": "a", "params": {"temperature": -1}}, {"prompt": "a", "params": {"min_tokens": 9}},
             {"prompt": "a", "params": {"top_q": 1}}, {"prompt": "a", "params": "hot"},
             {"prompt": "a", "params": {"prompt_logprobs": 2}}]
-    results = TaskRunner(spec, tiny).run(rows, [str(i) for i in range(len(rows))], [None] * len(rows))
+    results = TaskRunner(spec, tiny).run(Row.batch(rows, [str(i) for i in range(len(rows))]))
     assert [r.num_generated_tokens for r in results[:3]] == [6, 3, 4]
     assert results[1].generated_text == results[0].generated_text[:len(results[1].generated_text)]  # greedy kept
     assert [r.error for r in results[3:]] == [
@@ -63,8 +63,7 @@ def test_a_rows_sampling_column_overrides_the_section_for_that_row(tiny):
     # where the job has the column, a row may ask for more of each prompt token's alternatives
     spec = validate({"input": {"path": "in.jsonl", "sampling_column": "params"}, "output": {"path": "out/"},
                      "sampling": {"max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}})
-    results = TaskRunner(spec, tiny).run([{"prompt": "ab", "params": None}, {"prompt": "ab", "params": {"prompt_logprobs": 2}}],
-                                         ["0", "1"], [None, None])
+    results = TaskRunner(spec, tiny).run(Row.batch([{"prompt": "ab", "params": None}, {"prompt": "ab", "params": {"prompt_logprobs": 2}}], ["0", "1"]))
     assert [r.error for r in results] == [None, None] and results[0].prompt_logprobs is not None
     assert results[1].prompt_logprobs[1:] and all(len(p) >= 2 for p in results[1].prompt_logprobs[1:])
     assert validate({**BASE, "input": {"path": "in.jsonl", "sampling_column": None}}).fingerprint() == validate(BASE).fingerprint()
@@ -94,8 +93,8 @@ def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
     assert validate({**BASE, "sampling": {"prompt_logprobs": None}}).fingerprint() == validate(BASE).fingerprint()
     assert spec.fingerprint() != validate({**BASE, "sampling": {"max_tokens": 2, "temperature": 0, "n": 2}}).fingerprint()
     rows = [{"prompt": "abc"}, {"prompt": "hello there"}]
-    results = TaskRunner(spec, tiny).run(rows, ["0", "1"], [None, None])
-    table = output_table(spec, rows, ["0", "1"], results).to_pylist()
+    results = TaskRunner(spec, tiny).run(Row.batch(rows, ["0", "1"]))
+    table = output_table(spec, Row.batch(rows, ["0", "1"]), results).to_pylist()
     want = tiny.generate(["abc", "hello there"], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert len(table) == 4  # two samples per row, each with its row's prompt logprobs
     for record in table:
@@ -114,8 +113,7 @@ def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
              {"custom_id": "c", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 30}}]
     runner = TaskRunner(oa, tiny)
-    out = [json.loads(x) for x in runner.openai_lines(lines, ["a", "b", "c"],
-                                                       runner.run(lines, ["a", "b", "c"], [None] * 3), 1700000000)]
+    out = [json.loads(x) for x in runner.openai_lines(Row.batch(lines, ["a", "b", "c"]), runner.run(Row.batch(lines, ["a", "b", "c"])), 1700000000)]
     body = out[0]["response"]["body"]
     assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
     second = body["prompt_logprobs"][1]
@@ -131,8 +129,7 @@ def test_prompt_logprobs_column_and_openai_lines(tiny, tmp_path):
              {"custom_id": "e", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "abc", "max_tokens": 2, "logprobs": 12}}]
     runner = TaskRunner(wide, LLMEngine(EngineConfig(model="builtin:tiny", max_logprobs=32)))
-    out = [json.loads(x) for x in runner.openai_lines(lines, ["c", "d", "e"],
-                                                       runner.run(lines, ["c", "d", "e"], [None] * 3), 1700000000)]
+    out = [json.loads(x) for x in runner.openai_lines(Row.batch(lines, ["c", "d", "e"]), runner.run(Row.batch(lines, ["c", "d", "e"])), 1700000000)]
     assert len(out[0]["response"]["body"]["prompt_logprobs"][1]) >= 30
     chosen = out[1]["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert len(chosen) == 2 and all(len(t["top_logprobs"]) == 25 for t in chosen)

@@ -17,7 +17,7 @@ from jobs.spec import load_spec
 from pipeline.errors import JobError, SpecError
 from pipeline.io import CommitRecord
 from pipeline.run.checks.preflight import check_constraints
-from pipeline.spec import INCOMPLETE, validate
+from pipeline.spec import INCOMPLETE, Row, validate
 from pipeline.tasks import TaskRunner
 from pipeline.tasks.label_fields import field_values, fields_type
 from pipeline.tasks.openai_requests import MAX_SCHEMA_BYTES, parse_request
@@ -141,7 +141,7 @@ def test_a_row_that_breaks_its_constraint_is_an_error_that_keeps_its_finish_reas
     rows = [{"prompt": f"Review {i}: fine."} for i in range(3)]
     runner = TaskRunner(spec(task="label", label={"json_schema": REVIEW},
                              sampling={"max_tokens": 64, "temperature": 0, "stop": [","]}), tiny)
-    results = runner.run(rows, ["0", "1", "2"], [None] * 3)
+    results = runner.run(Row.batch(rows, ["0", "1", "2"]))
     for r in results:
         assert r.finish_reason == "stop" and r.error.startswith(f"{VIOLATION}is not JSON: "), r.error
         assert r.label_fields is None and r.failed
@@ -212,12 +212,12 @@ def test_a_label_job_writes_label_json_and_typed_fields_and_cut_rows_are_errors(
     rows = [{"prompt": f"Review {i}: fine."} for i in range(4)]
     whole = TaskRunner(spec(task="label", label={"json_schema": REVIEW}, sampling={"max_tokens": 64,
                                                                                   "temperature": 0}), tiny)
-    for r in whole.run(rows[:2], ["0", "1"], [None] * 2):
+    for r in whole.run(Row.batch(rows[:2], ["0", "1"])):
         assert r.finish_reason == "stop" and r.error is None
         assert json.loads(r.label) == {k: v for k, v in r.label_fields.items() if v is not None}
         assert r.label_fields["sentiment"] in ("pos", "neg") and 1 <= r.label_fields["score"] <= 5
     cut = TaskRunner(spec(task="label", label={"json_schema": REVIEW}, sampling={"max_tokens": 3}), tiny)
-    results = cut.run(rows, [str(i) for i in range(4)], [None] * 4)
+    results = cut.run(Row.batch(rows, [str(i) for i in range(4)]))
     for r in results:
         assert (r.finish_reason, r.error, r.label, r.label_fields) == ("length", INCOMPLETE, None, None)
     table = pa.table({"finish_reason": [r.finish_reason for r in results], "error": [r.error for r in results],
@@ -247,8 +247,8 @@ def test_openai_response_format_per_request(tiny):
     job = spec(input={"path": "x", "format": "openai_batch"}, output={"path": "o", "format": "openai_batch"})
     runner = TaskRunner(job, _chat(tiny))
     ids = [x["custom_id"] for x in lines]
-    results = runner.run(lines, ids, [None] * len(lines))
-    out = [json.loads(x) for x in runner.openai_lines(lines, ids, results, created=0)]
+    results = runner.run(Row.batch(lines, ids))
+    out = [json.loads(x) for x in runner.openai_lines(Row.batch(lines, ids), results, created=0)]
     content = [o["response"]["body"]["choices"][0]["message"]["content"] if o["response"] else None for o in out]
     jsonschema_ok = json.loads(content[0])
     assert set(jsonschema_ok) <= set(REVIEW["properties"]) and jsonschema_ok["sentiment"] in ("pos", "neg")

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from engine import LLMEngine  # noqa: E402
-from pipeline.spec import validate  # noqa: E402
+from pipeline.spec import Row, validate  # noqa: E402
 from pipeline.tasks import TaskRunner  # noqa: E402
 from pipeline.tasks.openai_requests import parse_request  # noqa: E402
 from pooling_models import build_classifier, build_encoder, build_sentence_transformer  # noqa: E402
@@ -37,8 +37,8 @@ def run_lines(model: Path, lines: list[dict], tmp_path: Path) -> dict[str, dict]
     llm = LLMEngine(spec.engine_config())
     runner = TaskRunner(spec, llm)
     ids = [x["custom_id"] for x in lines]
-    results = runner.run(lines, ids, [None] * len(lines))
-    return {json.loads(x)["custom_id"]: json.loads(x) for x in runner.openai_lines(lines, ids, results, 1700000000)}, llm
+    results = runner.run(Row.batch(lines, ids))
+    return {json.loads(x)["custom_id"]: json.loads(x) for x in runner.openai_lines(Row.batch(lines, ids), results, 1700000000)}, llm
 
 
 def test_embedding_lines_read_back_with_the_openai_types(st_model, tmp_path):

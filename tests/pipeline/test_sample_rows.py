@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from pipeline.spec import BASE_COLUMNS, validate
+from pipeline.spec import BASE_COLUMNS, Row, validate
 from pipeline.tasks import TaskRunner, output_table
 
 
@@ -20,7 +20,7 @@ def spec(**sections):
 
 def table(engine, job, rows, ids):
     runner = TaskRunner(job, engine)
-    return output_table(job, rows, ids, runner.run(rows, ids, [None] * len(rows)))
+    return output_table(job, Row.batch(rows, ids), runner.run(Row.batch(rows, ids)))
 
 
 ROWS = [{"prompt": "one"}, {"prompt": None}, {"prompt": "three"}]
@@ -121,8 +121,8 @@ def test_openai_lines_with_n_samples_count_each_prompt_once_in_the_hit_rate(engi
     job = spec(input={"path": "-", "format": "openai_batch"}, output={"path": "-", "format": "openai_batch"})
     engine.pool.reset_cache()  # nothing cached from other tests
     runner = TaskRunner(job, engine)
-    results = runner.run(rows, ["r0", "r1"], [None, None])
-    lines = [json.loads(x) for x in runner.openai_lines(rows, ["r0", "r1"], results, 0)]
+    results = runner.run(Row.batch(rows, ["r0", "r1"]))
+    lines = [json.loads(x) for x in runner.openai_lines(Row.batch(rows, ["r0", "r1"]), results, 0)]
     prompt = CommitRecord.counted(pa.table({"line": [json.dumps(x) for x in lines]})).prompt_tokens
     cached = sum(r.cached_prompt_tokens(per_sample=False) for r in results)
     assert prompt == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in lines)

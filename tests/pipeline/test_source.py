@@ -25,10 +25,10 @@ def read_all(storage, shards):
     """(ids, rows, errors) of every shard, in order."""
     ids, rows, errors = [], [], []
     for shard in shards:
-        r, i, e = read_shard(storage, shard)
-        rows += r
-        ids += i
-        errors += e
+        for row in read_shard(storage, shard):
+            rows.append(row.values)
+            ids.append(row.id)
+            errors.append(row.error)
     return ids, rows, errors
 
 
@@ -126,7 +126,8 @@ def test_malformed_line_is_a_row_error_naming_file_and_line(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(b'{"prompt": "ok"}\n{oops\n[1, 2]\n\xff\xfe\n')
     storage = Storage(str(tmp_path))
     shard = next(plan_shards(storage, list_inputs(storage, "auto"), 100))
-    rows, ids, errors = read_shard(storage, shard)
+    read = read_shard(storage, shard)
+    rows, ids, errors = [r.values for r in read], [r.id for r in read], [r.error for r in read]
     assert errors[0] is None and rows[0] == {"prompt": "ok"}
     assert "a.jsonl line 2: malformed JSON" in errors[1]
     assert "expected a JSON object" in errors[2]

@@ -109,7 +109,7 @@ def test_a_short_read_is_an_error_not_an_empty_shard(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="short read of a.jsonl: 16 of 32 bytes"):
         read_shard(storage, shard)
     monkeypatch.setattr(storage.fs, "open", real_open)
-    assert read_shard(storage, shard)[0] == [{"prompt": "a"}, {"prompt": "b"}]
+    assert [r.values for r in read_shard(storage, shard)] == [{"prompt": "a"}, {"prompt": "b"}]
 
 
 def test_a_parquet_short_read_is_a_retried_error_naming_the_file(tmp_path, monkeypatch):
@@ -122,7 +122,7 @@ def test_a_parquet_short_read_is_a_retried_error_naming_the_file(tmp_path, monke
     with pytest.raises(OSError, match=r"reading a.parquet failed after 5 attempts: cannot read rows 8-16 of a.parquet"):
         with_retries(lambda: read_shard(storage, shards[1]), "reading a.parquet")
     monkeypatch.setattr(storage.fs, "open", real_open)
-    assert [r["prompt"] for r in read_shard(storage, shards[1])[0]] == [f"p{i}" for i in range(8, 16)]
+    assert [r.get("prompt") for r in read_shard(storage, shards[1])] == [f"p{i}" for i in range(8, 16)]
 
 
 def test_a_parquet_file_shorter_than_planned_loses_no_rows_silently(tmp_path):
@@ -134,7 +134,7 @@ def test_a_parquet_file_shorter_than_planned_loses_no_rows_silently(tmp_path):
     shards = plan(storage, 8)
     assert [(s.start, s.stop) for s in shards] == [(0, 8), (8, 16), (16, 20)]
     pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(10)]}), path, row_group_size=5)
-    assert read_shard(storage, shards[0])[1] == [f"a.parquet:{i}" for i in range(8)]
+    assert [r.id for r in read_shard(storage, shards[0])] == [f"a.parquet:{i}" for i in range(8)]
     with pytest.raises(OSError, match="short read of a.parquet: 2 of 8 rows"):
         read_shard(storage, shards[1])
     with pytest.raises(OSError, match="short read of a.parquet: 0 of 4 rows"):

@@ -199,10 +199,9 @@ def _ids(storage: Storage, unit: Unit, column: str, plan: ShardPlan):
                 yield row, value
         return
     for shard in unit_shards(storage, unit, plan)[0]:
-        rows, derived, _ = with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}")
-        for r, name in zip(rows, derived):
-            if r.get(column) is not None:
-                yield int(name.rsplit(":", 1)[1]), r[column]
+        for row in with_retries(lambda: read_shard(storage, shard), f"reading {shard.name}"):
+            if row.get(column) is not None:
+                yield int(row.id.rsplit(":", 1)[1]), row.get(column)
 
 
 def _place(units: list[Unit], unit: int, row: int) -> Place:

@@ -20,7 +20,7 @@ from pipeline.run.shards import chaos
 from pipeline.tasks import empty_device_cache, is_out_of_memory, output_table, start_engine
 
 if TYPE_CHECKING:
-    from pipeline.spec import Job
+    from pipeline.spec import Job, Row
 
 MAX_OOM_HALVINGS = 4
 """Times a shard is retried at half the engine's max_batch_tokens before the job fails."""
@@ -101,15 +101,15 @@ class ShardWorker(EngineActor):
     def process(self, shard: Shard) -> CommitRecord:
         started = time.perf_counter()
         idle = started - self.last_done if self.last_done else 0.0
-        rows, ids, errors = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
+        rows = with_retries(lambda: read_shard(self.input, shard), f"reading {shard.name}")
         read = time.perf_counter()
-        rows, ids, errors, skipped = self._bad_lines(rows, ids, errors)
-        ids = self._ids(rows, ids, errors)
-        results, budgets = self._run_tasks(rows, ids, errors, shard.adapter if shard.lora_each else None)
+        rows, skipped = self._bad_lines(rows)
+        rows = self._ids(rows)
+        results, budgets = self._run_tasks(rows, shard.adapter if shard.lora_each else None)
         engine = time.perf_counter()
         lines = self.output.format == "openai_batch"  # one line per request, with its n choices
-        table = (self._openai_lines(rows, ids, results) if lines
-                 else output_table(self.spec, rows, ids, results, self.tasks.embedding_width))
+        table = (self._openai_lines(rows, results) if lines
+                 else output_table(self.spec, rows, results, self.tasks.embedding_width))
         cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
         counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
@@ -132,18 +132,15 @@ class ShardWorker(EngineActor):
         record.seconds = self.last_done - started
         return record
 
-    def _run_tasks(self, rows, ids, errors, adapter: str | None = None) -> tuple[list, list[int]]:
+    def _run_tasks(self, rows, adapter: str | None = None) -> tuple[list, list[int]]:
         """The task's results for the rows. Out of memory (accelerator or host) is not the job's
         failure: the engine is rebuilt with half its max_batch_tokens and the shard retried,
         up to MAX_OOM_HALVINGS times. Returns the records and the budgets retried at."""
         budgets: list[int] = []
         restarts = 0
         while True:
-            attempt = list(errors)  # the task marks failed rows in place; each try starts afresh
             try:
-                results = self.tasks.run(rows, ids, attempt, adapter)
-                errors[:] = attempt
-                return results, budgets
+                return self.tasks.run(rows, adapter), budgets  # rows are never changed: a retry starts afresh
             except RankError as exc:  # a tensor-parallel rank died or hung; the engine stopped them all
                 if restarts == MAX_RANK_RESTARTS:
                     raise FatalShardError(f"tensor-parallel ranks failed {restarts + 1} times on one shard: "
@@ -193,37 +190,35 @@ class ShardWorker(EngineActor):
     def _build_engine(self) -> None:
         self.engine, self.tasks = start_engine(self.spec, config=self.engine_config)
 
-    def _bad_lines(self, rows, ids, errors):
+    def _bad_lines(self, rows: list[Row]) -> tuple[list[Row], int]:
         """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),
         skip (leave out, counted), fail (stop the job naming the line)."""
         policy = self.spec.input.on_bad_line
-        bad = [i for i, e in enumerate(errors) if e is not None]
+        bad = [row for row in rows if row.error is not None]
         if not bad or policy == "error":
-            return rows, ids, errors, 0
+            return rows, 0
         if policy == "fail":
-            raise FatalShardError(errors[bad[0]])
-        keep = [i for i, e in enumerate(errors) if e is None]
-        return [rows[i] for i in keep], [ids[i] for i in keep], [None] * len(keep), len(bad)
+            raise FatalShardError(bad[0].error)
+        return [row for row in rows if row.error is None], len(bad)
 
-    def _ids(self, rows: list[dict], derived: list[str], errors: list) -> list[str]:
+    def _ids(self, rows: list[Row]) -> list[Row]:
+        """The rows with their id column's ids (a missing one is the row's error); a duplicate is fatal."""
         column = self.spec.input.id_column
         if not column:
-            return derived
-        ids, seen = [], set()
-        for i, row in enumerate(rows):
+            return rows
+        out, seen = [], set()
+        for row in rows:
             value = row.get(column)
-            if value is None:
-                if errors[i] is None:
-                    errors[i] = f"id column {column!r} is missing or null"
-                value = derived[i]
-            value = str(value)
+            if value is None:  # the row keeps its derived id
+                row = row.failing(f"id column {column!r} is missing or null")
+            value = row.id if value is None else str(value)
             if value in seen:
                 raise FatalShardError(f"duplicate id {value!r} in column {column!r}")
             seen.add(value)
-            ids.append(value)
-        return ids
+            out.append(replace(row, id=value))
+        return out
 
-    def _openai_lines(self, rows, ids, results) -> pa.Table:
+    def _openai_lines(self, rows: list[Row], results) -> pa.Table:
         """OpenAI Batch output: one response (or error) line per row, as JSON text."""
-        lines = self.tasks.openai_lines(rows, ids, results, self.job.created or int(time.time()))
+        lines = self.tasks.openai_lines(rows, results, self.job.created or int(time.time()))
         return pa.table({"line": pa.array(lines, pa.string())})

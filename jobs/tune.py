@@ -148,7 +148,7 @@ def measure(spec: JobSpec, setting: Setting, rows: list[Row]) -> Measurement:
     return run
 
 
-def _run_once(setting: Setting, llm, tasks, rows, ids) -> Measurement:
+def _run_once(setting: Setting, llm, tasks, rows) -> Measurement:
     """One pass over the sample."""
     llm.batch_stats.clear()
     start = time.perf_counter()

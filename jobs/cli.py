@@ -134,13 +134,12 @@ def validate(config, model, input_, output, overrides, verbose):
     """Check a spec, its inputs and its model as `run` does before it starts, and count rows; no generation."""
     from pipeline.errors import InputError, JobError
     from pipeline.io import Storage
-    from pipeline.run import check_adapters, job_shards, output_plan, preflight, with_adapters
-    from pipeline.spec import Job
+    from pipeline.run import check_adapters, job_shards, listed_adapters, output_plan, preflight
 
     spec = _load(config, model, input_, output, overrides)
     with QuietTerminal(verbose, click.get_text_stream("stderr")) as quiet:
         try:
-            spec = with_adapters(Job(spec, "")).spec
+            spec = listed_adapters(spec)
             files = preflight(spec, click.echo)
             check_adapters(spec)
             storage = Storage(spec.input.path, spec.input.storage_options)

@@ -128,7 +128,7 @@ def measure(spec: JobSpec, setting: Setting, rows: list[Row]) -> Measurement:
     from pipeline.tasks import start_engine
 
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update=setting.__dict__)})
-    llm, tasks = start_engine(spec)  # as a job's actor has it: on CPU, its share of the cores' threads
+    llm, tasks = start_engine(spec.stage(), spec.workers)  # as a job's actor has it: on CPU, its share of the cores' threads
     refusal = None if tasks.scoring else llm.refusal("step")  # first-token times need rows watched pass by pass
     if refusal is not None:
         llm.close()

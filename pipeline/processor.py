@@ -21,15 +21,15 @@ import pyarrow as pa
 
 from pipeline.errors import SpecError
 from pipeline.io import read_schema_files
-from pipeline.run import EngineActor, engine_stage_args, with_adapters
+from pipeline.run import EngineActor, engine_stage_args, listed_adapters
 from pipeline.run.shards.devices import picks_devices, resolve_devices
-from pipeline.spec import SAMPLING_PARAMS, Job, JobSpec, Row, validate
+from pipeline.spec import SAMPLING_PARAMS, ProcessorSpec, Row, Stage, validate
 from pipeline.tasks import PromptBuilder, output_table, start_engine
 
 log = logging.getLogger(__name__)
 
-SECTIONS = ("model", "task", "engine", "sampling", "workers", "label", "eval", "seed", "lora", "embed", "score")
-"""The job spec's keys a processor takes: all but input, output, report and max_error_rate."""
+SECTIONS = tuple(ProcessorSpec.model_fields)
+"""The keys a processor takes: a stage's (pipeline.spec.StageSpec) and workers."""
 
 
 def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = None,
@@ -47,10 +47,7 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
     lora = config.get("lora")
     if isinstance(lora, dict) and (lora.get("adapters") or lora.get("path")) and not lora.get("each"):
         config = {**config, "lora": {"column": "model", **lora}}  # a row's `model` names its adapter (Ray Data LLM)
-    # a row's sampling_params (from preprocess) override the sampling section for that row (Ray Data LLM)
-    spec = read_schema_files(validate({**config, "input": {"path": "-", "sampling_column": SAMPLING_PARAMS},
-                                       "output": {"path": "-"}}))
-    spec = with_adapters(Job(spec, "")).spec  # lora.path listed once, here
+    spec = listed_adapters(read_schema_files(validate(config, ProcessorSpec)))  # lora.path listed once, here
     return Processor(spec, preprocess, postprocess)
 
 
@@ -58,8 +55,8 @@ def build_processor(config: dict, preprocess: Callable[[dict], dict] | None = No
 class Processor:
     """preprocess -> generate (one engine per actor, `workers.num` actors) -> postprocess."""
 
-    spec: JobSpec
-    """The validated spec (input and output placeholders included, as the workers expect)."""
+    spec: ProcessorSpec
+    """The validated stage and workers."""
     preprocess: Callable[[dict], dict] | None = None
     """Row -> row with `prompt` or `messages`."""
     postprocess: Callable[[dict], dict] | None = None
@@ -86,9 +83,11 @@ class Processor:
 class RowWorker(EngineActor):
     """Ray Data actor: a batch of preprocessed rows in, the same rows with the task's columns out."""
 
-    def _setup(self, spec: JobSpec) -> None:
+    def _setup(self, spec: ProcessorSpec) -> None:
         self.spec = spec
-        self.engine, self.tasks = start_engine(spec, RowPrompts())
+        # a row's sampling_params (from preprocess) override the sampling section for that row (Ray Data LLM)
+        self.stage = Stage(spec, sampling_column=SAMPLING_PARAMS)
+        self.engine, self.tasks = start_engine(self.stage, spec.workers, RowPrompts())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.check_setup()
@@ -97,9 +96,9 @@ class RowWorker(EngineActor):
     def _rows(self, batch: pa.Table) -> pa.Table:
         rows = [Row(row_id(values), values) for values in batch.to_pylist()]
         if not self.spec.lora.each:
-            return output_table(self.spec, rows, self.tasks.run(rows), self.tasks.embedding_width)
+            return output_table(self.stage, rows, self.tasks.run(rows), self.tasks.embedding_width)
         # every row under every adapter (and the base model with include_base)
-        tables = [output_table(self.spec, rows, self.tasks.run(rows, name), self.tasks.embedding_width)
+        tables = [output_table(self.stage, rows, self.tasks.run(rows, name), self.tasks.embedding_width)
                   for name in self.spec.lora.each_adapters]
         return pa.concat_tables(tables)
 

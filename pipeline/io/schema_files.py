@@ -4,26 +4,31 @@ fingerprint hashes each schema's content, not the path it came from."""
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
 from pipeline.errors import SpecError
 from pipeline.io.storage import Storage
-from pipeline.spec import JobSpec, schema_file_refs, validate
+from pipeline.spec import JobSpec, StageSpec, schema_file_refs, validate
+
+S = TypeVar("S", bound=StageSpec)
 
 
-def read_schema_files(spec: JobSpec) -> JobSpec:
-    """`spec` with every schema file replaced by its content (`spec` itself when it names none).
-    Files are local paths or URLs of any fsspec filesystem, opened with input.storage_options.
+def read_schema_files(spec: S) -> S:
+    """`spec` (a job's or a processor's) with every schema file replaced by its content (`spec` itself
+    when it names none). Files are local paths or URLs of any fsspec filesystem, opened with a job's
+    input.storage_options.
     SpecError names the key and the cause when a file cannot be read or holds no JSON Schema."""
     data = spec.model_dump(mode="json")
     refs = schema_file_refs(data)
     if not refs:
         return spec
+    options = spec.input.storage_options if isinstance(spec, JobSpec) else {}
     for path, url in refs:
         node = data
         for key in path[:-1]:
             node = node[key]
-        node[path[-1]] = load_schema(url, spec.input.storage_options, ".".join(path))
-    return validate(data)
+        node[path[-1]] = load_schema(url, options, ".".join(path))
+    return validate(data, type(spec))
 
 
 def load_schema(url: str, storage_options: dict, key: str) -> dict | bool:

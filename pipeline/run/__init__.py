@@ -8,7 +8,7 @@ each, imported one way (driver -> checks -> shards -> reporting):
 
 The only package of the pipeline that imports Ray (with pipeline.processor, on top of it)."""
 from pipeline.errors import JobError, OutputConflict
-from pipeline.run.checks.adapters import check_adapters, with_adapters
+from pipeline.run.checks.adapters import check_adapters, listed_adapters, with_adapters
 from pipeline.run.checks.preflight import check_model, input_columns, preflight
 from pipeline.run.driver import JobResult, run_job
 from pipeline.run.reporting.progress import Progress, ProgressBar, as_progress
@@ -20,4 +20,4 @@ from pipeline.run.shards.worker import EngineActor, ShardWorker
 
 __all__ = ["EngineActor", "JobError", "JobResult", "OutputConflict", "PartTotals", "Progress", "ProgressBar",
            "ShardWorker", "actor_request", "as_progress", "check_model", "engine_stage_args", "ensure_ray",
-           "input_columns", "job_shards", "output_plan", "output_report", "preflight", "run_job", "check_adapters", "with_adapters"]
+           "input_columns", "job_shards", "output_plan", "output_report", "preflight", "run_job", "check_adapters", "listed_adapters", "with_adapters"]

@@ -7,12 +7,9 @@ adapter (and the base model with `include_base`): the eval-many-fine-tunes workl
 then carry an `adapter` column, and exactly-once holds per (id, adapter)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from pipeline.spec.schema import JobSpec
 
 ADAPTER = "adapter"
 """The output column naming each row's adapter (null: the base model)."""
@@ -47,14 +44,15 @@ class LoRASpec(BaseModel):
         return ([""] if self.include_base else []) + sorted(self.adapters)
 
 
-def check_lora(spec: JobSpec) -> None:
-    """The section's rules (one message naming the keys)."""
+def check_lora(spec, requests: bool = False) -> None:
+    """The section's rules (one message naming the keys); `requests`: the rows are OpenAI Batch request
+    lines, which name their adapter by body.model."""
     lora = spec.lora
     if not lora.active:
         if lora.column or lora.each or lora.include_base:
             raise ValueError("lora.column / lora.each need adapters: set lora.adapters or lora.path")
         return
-    if spec.input.format == "openai_batch":
+    if requests:
         if lora.each or lora.column:
             raise ValueError("lora.each / lora.column: OpenAI Batch lines name their adapter by body.model; drop them")
         return

@@ -9,7 +9,6 @@ SamplingParams are plain dataclasses).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -17,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from engine.api import DEFAULT_MODEL, EngineConfig, auto_dtype
 from engine.api import SamplingParams
 from pipeline.errors import SpecError
-from pipeline.spec.columns import check_metrics, output_columns
+from pipeline.spec.checks import check_job, check_processor, check_stage
 from pipeline.spec.fingerprint import fingerprint
-from pipeline.spec.lora import LoRASpec, check_lora
-from pipeline.spec.pooling import EmbedSpec, ScoreSpec, check_pooling
-from pipeline.spec.images import check_images
-from pipeline.spec.structured import StructuredOutputsSpec, check_label_schema
+from pipeline.spec.lora import LoRASpec
+from pipeline.spec.pooling import EmbedSpec, ScoreSpec
+from pipeline.spec.stage import Stage
+from pipeline.spec.structured import StructuredOutputsSpec
 
 
 class _Section(BaseModel):
@@ -184,7 +183,11 @@ class WorkersSpec(_Section):
         "(workers.gpus/cpus) before failing; a fixed cluster that cannot fit one fails at once.")
 
 
-class JobSpec(_Section):
+class StageSpec(_Section):
+    """What a row goes through: the model, the task, and every section that changes a row's result. A
+    job's spec (JobSpec) is one with the job around it; `build_processor` takes one with its workers
+    (ProcessorSpec). How a row becomes a prompt stays in a job's `input` section (JobSpec.stage())."""
+
     model: str = Field(DEFAULT_MODEL, description="Hugging Face model id (org/name, from the hub cache or "
                        "downloaded; engine.revision picks a branch, tag or commit), model directory (local, s3://, "
                        "gs://...), a .gguf file (local, s3://, gs://, or a Hub repo's as org/repo:Q4_K_M), or a "
@@ -194,19 +197,13 @@ class JobSpec(_Section):
         "generate", description="generate = text per row; label = a label per row (by choice scoring or "
         "label_regex); eval = generate (or label) and score against a reference, with metrics.json; embed = an "
         "embedding per row; classify = class label and probabilities per row; score = a score per text pair.")
-    input: InputSpec = Field(description="Where the prompts come from.")
-    output: OutputSpec = Field(description="Where the results go.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Generation engine settings.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Decoding settings for every row.")
-    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
-    report: ReportSpec = Field(default_factory=ReportSpec, description="Cost accounting.")
     label: LabelSpec = Field(default_factory=LabelSpec, description="task: label (and eval on choices).")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="task: eval (and classify's accuracy).")
     embed: EmbedSpec = Field(default_factory=EmbedSpec, description="task: embed.")
     score: ScoreSpec = Field(default_factory=ScoreSpec, description="task: score.")
     lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters, and which rows run under which.")
-    max_error_rate: float = Field(
-        0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
     seed: int = Field(0, ge=0, description="Job seed: each row's sampling seed is derived from it and the row id.")
 
     @field_validator("model")
@@ -217,11 +214,49 @@ class JobSpec(_Section):
         return v
 
     @model_validator(mode="after")
-    def _task_checks(self):
-        check_task(self)
-        check_images(self)
-        check_gpus(self)
+    def _stage_checks(self):
+        check_stage(self)
         return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration for this stage: its model and seed, and the engine section."""
+        engine = self.engine.model_dump()
+        engine["enable_lora"] = engine["enable_lora"] or self.lora.active
+        return EngineConfig(model=self.model, seed=self.seed, **engine)
+
+
+class ProcessorSpec(StageSpec):
+    """What `build_processor` takes: a stage, and the actors that run it over a Dataset."""
+
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
+
+    @model_validator(mode="after")
+    def _processor_checks(self):
+        check_processor(self)
+        return self
+
+
+class JobSpec(StageSpec):
+    """A job: its stage, and around it where the rows come from and go, the actors, the report."""
+
+    input: InputSpec = Field(description="Where the prompts come from.")
+    output: OutputSpec = Field(description="Where the results go.")
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Actors and resources.")
+    report: ReportSpec = Field(default_factory=ReportSpec, description="Cost accounting.")
+    max_error_rate: float = Field(
+        0.0, ge=0, le=1, description="Fail the job (exit 3) when errors / rows exceeds this.")
+
+    @model_validator(mode="after")
+    def _job_checks(self):
+        check_job(self)
+        return self
+
+    def stage(self) -> Stage:
+        """The job's stage as its tasks run it: this spec's stage sections, how a row becomes a prompt
+        (the input section), and the formats its rows come in and go out in."""
+        inp = self.input
+        return Stage(self, inp, inp.sampling_column, requests=inp.format == "openai_batch",
+                     lines=self.output.format == "openai_batch", columns=inp.columns)
 
     def numerics(self) -> dict:
         """The device type and dtype the job's engines compute in, as `auto` resolves them in its
@@ -231,12 +266,6 @@ class JobSpec(_Section):
         device = self.engine.device
         kind = device.split(":")[0] if device != "auto" else ("cuda" if self.workers.gpus > 0 else "cpu")
         return {"device": kind, "dtype": auto_dtype(kind) if self.engine.dtype == "auto" else self.engine.dtype}
-
-    def engine_config(self) -> EngineConfig:
-        """The engine's configuration for this job: its model and seed, and the engine section."""
-        engine = self.engine.model_dump()
-        engine["enable_lora"] = engine["enable_lora"] or self.lora.active
-        return EngineConfig(model=self.model, seed=self.seed, **engine)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the output rows (not of where they are written). A JSON
@@ -253,110 +282,14 @@ class JobSpec(_Section):
                 fingerprint(self, settled=False, alias=True, tuned=False, planned=False)}
 
 
-def check_gpus(spec: JobSpec) -> None:
-    """With engine.tensor_parallel_size N on GPU an actor holds one GPU per rank: workers.gpus is N,
-    and becomes N when left unset with engine.device cuda."""
-    n, workers = spec.engine.tensor_parallel_size, spec.workers
-    if "gpus" not in workers.model_fields_set and spec.engine.device.startswith("cuda"):
-        workers.gpus = float(n)
-    if n > 1 and workers.gpus and workers.gpus != n:
-        raise ValueError(f"workers.gpus {workers.gpus:g} with engine.tensor_parallel_size {n}: an actor needs one GPU "
-                         f"per rank; set workers.gpus: {n} (or 0 to run the ranks on CPU), or leave it unset with "
-                         "engine.device: cuda")
-
-
-def check_task(spec: JobSpec) -> None:
-    """Cross-field rules of tasks and formats (one message naming the keys involved)."""
-    label, ev, inp = spec.label, spec.eval, spec.input
-    labels = bool(label.choices or label.choices_column or label.label_regex or label.json_schema is not None)
-    check_structured(spec)
-    check_pooling(spec)
-    check_lora(spec)
-    for name in ("logprobs", "prompt_logprobs"):
-        asked = getattr(spec.sampling, name)
-        if asked is not None and asked > spec.engine.max_logprobs:
-            raise ValueError(f"sampling.{name} ({asked}) is above engine.max_logprobs "
-                             f"({spec.engine.max_logprobs}): raise engine.max_logprobs, or ask for fewer")
-    if label.choices is not None and (not label.choices or any(not c for c in label.choices)):
-        raise ValueError("label.choices: give at least one non-empty choice")
-    if label.choices and label.choices_column:
-        raise ValueError("label.choices and label.choices_column: set one of them")
-    if (label.choices or label.choices_column) and label.label_regex:
-        raise ValueError("label.label_regex applies to generated labels: drop it, or drop label.choices(_column)")
-    for name, pattern in (("label.label_regex", label.label_regex), ("eval.answer_regex", ev.answer_regex)):
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"{name}: invalid regex: {exc}") from None
-    check_samples(spec)
-    if spec.task == "label" and not labels:
-        raise ValueError("task label needs label.choices, label.choices_column, label.label_regex or "
-                         "label.json_schema")
-    if spec.task == "eval":
-        if not ev.reference_column:
-            raise ValueError("task eval needs eval.reference_column")
-        try:
-            check_metrics(ev.metrics, ev.answer_regex)
-        except ValueError as exc:
-            raise ValueError(f"eval.metrics: {exc}") from None
-        if "accuracy" in ev.metrics and not labels and spec.task == "eval":
-            raise ValueError("eval metric accuracy compares labels: set label.choices, label.choices_column or "
-                             "label.label_regex")
-    produced = set(output_columns(spec)) | {"id"}
-    for name, column in (("eval.reference_column", ev.reference_column), ("eval.group_column", ev.group_column),
-                         ("label.choices_column", label.choices_column)):
-        if column in produced and (spec.task == "eval" or name.startswith("label")):
-            raise ValueError(f"{name}: {column!r} is also an output column of task {spec.task}; rename it in the "
-                             "input data")
-    if inp.format == "openai_batch":
-        if spec.task != "generate":
-            raise ValueError(f"input.format openai_batch holds completion requests: task {spec.task} needs jsonl or "
-                             "parquet input")
-        if inp.template or inp.messages_column or inp.system_prompt or inp.few_shot:
-            raise ValueError("input.format openai_batch: the requests carry their own prompts; drop input.template, "
-                             "messages_column, system_prompt and few_shot")
-        if inp.id_column not in (None, "custom_id"):
-            raise ValueError("input.format openai_batch: rows are identified by custom_id; drop input.id_column")
-        inp.id_column = "custom_id"  # a duplicate custom_id is then fatal, like any duplicate id
-    if spec.output.format == "openai_batch" and spec.task != "generate":
-        raise ValueError(f"output.format openai_batch holds completions only: task {spec.task} needs parquet or jsonl")
-
-
-def check_samples(spec: JobSpec) -> None:
-    """sampling.n's rules: choice scoring draws no samples, and each eval.k is a number of samples."""
-    n, label = spec.sampling.n, spec.label
-    if n > 1 and spec.task in ("label", "eval") and (label.choices or label.choices_column):
-        raise ValueError("sampling.n: choice scoring (label.choices, label.choices_column) picks one label per row "
-                         "without sampling; drop sampling.n, or generate labels with label.label_regex")
-    ks = spec.eval.k
-    if ks is not None:
-        if not ks:
-            raise ValueError("eval.k: give at least one k, or leave it unset for [1, n]")
-        bad = [k for k in ks if isinstance(k, bool) or not 1 <= k <= n]
-        if bad:
-            raise ValueError(f"eval.k: each k must be in [1, sampling.n={n}], got {bad[0]}")
-        if len(set(ks)) != len(ks):
-            raise ValueError(f"eval.k lists a k twice: {ks}")
-
-
-def check_structured(spec: JobSpec) -> None:
-    """label.json_schema is a label of its own kind, and the only constraint of its rows."""
-    label = spec.label
-    if label.json_schema is None:
-        return
-    check_label_schema(label.json_schema)
-    if label.choices or label.choices_column or label.label_regex:
-        raise ValueError("label.json_schema generates the label: drop label.choices, choices_column and label_regex")
-    if spec.sampling.structured_outputs is not None:
-        raise ValueError("label.json_schema constrains the generated label: drop sampling.structured_outputs")
-
-
-def validate(data: dict) -> JobSpec:
+def validate(data: dict, kind: type[StageSpec] | None = None) -> JobSpec:
+    """`data` validated as a JobSpec (or as `kind`, e.g. ProcessorSpec); SpecError names every bad key."""
+    kind = kind or JobSpec
     try:
-        return JobSpec.model_validate(data)
+        return kind.model_validate(data)
     except ValidationError as exc:
-        raise SpecError("invalid job spec: " + "; ".join(_describe(e) for e in exc.errors())) from None
+        what = "job spec" if kind is JobSpec else "processor config"
+        raise SpecError(f"invalid {what}: " + "; ".join(_describe(e) for e in exc.errors())) from None
 
 
 def _describe(err: dict) -> str:

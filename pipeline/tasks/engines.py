@@ -10,22 +10,22 @@ from engine.api import Engine, EngineConfig
 from pipeline.tasks.task_runner import TaskRunner
 
 if TYPE_CHECKING:
-    from pipeline.spec import JobSpec
+    from pipeline.spec import Stage, WorkersSpec
     from pipeline.tasks.prompts import PromptBuilder
 
 OOM_MARKERS = ("out of memory", "DefaultCPUAllocator")
 """Texts of allocation failures that torch raises as plain RuntimeErrors (host memory)."""
 
 
-def start_engine(spec: JobSpec, prompts: PromptBuilder | None = None,
+def start_engine(stage: Stage, workers: WorkersSpec, prompts: PromptBuilder | None = None,
                  config: EngineConfig | None = None) -> tuple[Engine, TaskRunner]:
-    """The engine for `spec` (or for `config`, e.g. at a halved budget; on a CPU-only node its torch
-    threads shared among the node's actors) and its task runner."""
-    config = config or spec.engine_config()
+    """The engine for `stage` (or for `config`, e.g. at a halved budget; on a CPU-only node its torch
+    threads shared among the `workers`' actors) and its task runner."""
+    config = config or stage.spec.engine_config()
     engine = build_engine(config)  # engine.build: the engine protocol's builder
-    if not spec.workers.gpus and engine.facts().device == "cpu":  # the echo engine runs no torch
-        share_cpu_threads(spec.workers.num)
-    return engine, TaskRunner(spec, engine, prompts)
+    if not workers.gpus and engine.facts().device == "cpu":  # the echo engine runs no torch
+        share_cpu_threads(workers.num)
+    return engine, TaskRunner(stage, engine, prompts)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from pipeline.spec import SAMPLE_INDEX, SCORE_PREFIX, output_columns
+from pipeline.spec import SAMPLE_INDEX, SCORE_PREFIX, Stage, output_columns
 from pipeline.tasks.label_fields import fields_type
 
 if TYPE_CHECKING:
@@ -36,15 +36,17 @@ def column_type(name: str, spec: JobSpec | None = None, width: int | None = None
     return COLUMN_TYPES.get(name)
 
 
-def output_table(spec: JobSpec, rows: list[Row], results: list[RowResult], width: int | None = None) -> pa.Table:
-    """The output rows: id, the passed-through input columns, then the task's columns (`width`:
-    the embedding's, so every part of an embed job has one fixed-size list type)."""
-    keep = spec.input.columns
+def output_table(stage: Stage | JobSpec, rows: list[Row], results: list[RowResult], width: int | None = None) -> pa.Table:
+    """The output rows of a stage (or a job's spec): id, the passed-through input columns, then the
+    task's columns (`width`: the embedding's, so every part of an embed job has one fixed-size list type)."""
+    stage = Stage.of(stage)
+    spec = stage.spec
+    keep = stage.columns
     if keep is not None:  # eval needs its reference and group columns in the committed parts
         keep = set(keep) | {spec.eval.reference_column, spec.eval.group_column}
     produced = output_columns(spec)
     # images stay in the input unless input.columns names them
-    hidden = {spec.input.image_column} if keep is None and spec.input.image_column else set()
+    hidden = {stage.image_column} if keep is None and stage.image_column else set()
     n = spec.sampling.n
     out = []
     for row, result in zip(rows, results):

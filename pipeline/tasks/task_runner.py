@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.api import LoRARequest
-from pipeline.spec import POOLING_TASKS
+from pipeline.spec import POOLING_TASKS, Stage
 from pipeline.tasks.choices import LabelByChoices
 from pipeline.tasks.generate import Generate, LabelByFields, LabelByParsing
 from pipeline.tasks.openai_lines import OpenAIBatchLines
@@ -34,15 +34,15 @@ if TYPE_CHECKING:
 POOLING_CLASSES = {"embed": Embed, "classify": Classify, "score": Score}
 
 
-def task_for(spec: JobSpec, engine: Engine, prompts: PromptBuilder | None, lora: bool) -> Task:
-    """The task class of `spec`, on `engine`."""
+def task_for(stage: Stage, engine: Engine, prompts: PromptBuilder | None, lora: bool) -> Task:
+    """The task class of `stage`, on `engine`."""
+    spec = stage.spec
     if spec.task in POOLING_TASKS:
         task = POOLING_CLASSES[spec.task](spec, engine, prompts, lora=lora)
         return Scored(spec, task) if spec.task == "classify" and spec.eval.reference_column else task
-    lines = spec.output.format == "openai_batch"
-    if spec.input.format == "openai_batch":
-        return OpenAIBatchLines(spec, engine, None, lora=lora, lines=lines)
-    label, kwargs = spec.label, {"lora": lora, "sampling_column": spec.input.sampling_column, "lines": lines}
+    if stage.requests:
+        return OpenAIBatchLines(spec, engine, None, lora=lora, lines=stage.lines)
+    label, kwargs = spec.label, {"lora": lora, "sampling_column": stage.sampling_column, "lines": stage.lines}
     if spec.task == "generate":
         task = Generate(spec, engine, prompts, **kwargs)
     elif label.choices or label.choices_column:
@@ -59,15 +59,17 @@ def task_for(spec: JobSpec, engine: Engine, prompts: PromptBuilder | None, lora:
 class TaskRunner:
     """Turns rows into RowResults (the output row's engine fields and the task's own columns)."""
 
-    def __init__(self, spec: JobSpec, engine: Engine, prompts: PromptBuilder | None = None):
-        """`prompts` builds each row's prompt; default: from the spec's input section."""
-        self.spec = spec
+    def __init__(self, stage: Stage | JobSpec, engine: Engine, prompts: PromptBuilder | None = None):
+        """`stage`: a Stage, or a job's spec (its stage); `prompts` builds each row's prompt (default:
+        from the stage's prompt fields, a job's input section)."""
+        self.stage = stage = Stage.of(stage)
+        self.spec = spec = stage.spec
         self.engine = engine
-        openai_input = spec.input.format == "openai_batch"
-        self.prompts = None if openai_input or spec.task == "score" else prompts or PromptBuilder.from_spec(spec.input)
+        self.prompts = (None if stage.requests or spec.task == "score"
+                        else prompts or PromptBuilder.from_spec(stage.prompts))
         self.adapters = adapter_requests(spec.lora.adapters)
         """With LoRA: adapter name -> LoRARequest (the spec's adapters, lora.path's listed in)."""
-        self.task = task_for(spec, engine, self.prompts, bool(self.adapters))
+        self.task = task_for(stage, engine, self.prompts, bool(self.adapters))
         inner = self.task.inner if isinstance(self.task, Scored) else self.task
         self.scoring = isinstance(inner, LabelByChoices)
         """Labels by choice scoring: no token is generated."""
@@ -93,7 +95,7 @@ class TaskRunner:
     def openai_lines(self, rows: list[Row], results: list[RowResult], created: int) -> list[str]:
         """The OpenAI Batch output line of each row (JSON text); `created`: the job's creation time."""
         return output_lines([r.values for r in rows], [r.id for r in rows], results,
-                            openai_input=self.spec.input.format == "openai_batch",
+                            openai_input=self.stage.requests,
                             chat=self.prompts is not None and self.prompts.chat, model=self.spec.model,
                             created=created, default_logprobs=self.spec.sampling.logprobs,
                             tokenizer=self.engine.tokenizer)
@@ -102,7 +104,7 @@ class TaskRunner:
         """Each row's LoRARequest (None: the base model); an unknown adapter name is the row's error."""
         if not self.adapters:
             return rows, [None] * len(rows)
-        if self.spec.input.format == "openai_batch":  # body.model naming an adapter selects it (as vLLM serves them)
+        if self.stage.requests:  # body.model naming an adapter selects it (as vLLM serves them)
             return rows, [self.adapters.get(m) if isinstance(m, str) else None for m in map(_body_model, rows)]
         if adapter is not None or not self.spec.lora.column:
             return rows, [self.adapters[adapter] if adapter else None] * len(rows)

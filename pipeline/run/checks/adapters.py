@@ -5,24 +5,31 @@ is refused while an adapter added to a lora.each job computes only its own rows.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TypeVar
 
 from engine.api import AdapterError, LoRARequest, ModelLoadError
 from pipeline.errors import InputError, JobError
 from pipeline.io import list_adapters
-from pipeline.spec import Job, JobSpec
+from pipeline.spec import Job, JobSpec, StageSpec
+
+S = TypeVar("S", bound=StageSpec)
 
 
-def with_adapters(job: Job) -> Job:
-    """The job with lora.path's adapters listed into its spec's lora.adapters (once, by the driver)."""
-    lora = job.spec.lora
+def listed_adapters(spec: S) -> S:
+    """The spec (a job's or a processor's) with lora.path's adapters listed into lora.adapters."""
+    lora = spec.lora
     if not lora.path:
-        return job
+        return spec
     try:
         adapters = list_adapters(lora.path, lora.adapters, lora.storage_options)
     except InputError as exc:
         raise JobError(str(exc)) from None
-    spec = job.spec.model_copy(update={"lora": lora.model_copy(update={"adapters": adapters, "path": None})})
-    return replace(job, spec=spec)
+    return spec.model_copy(update={"lora": lora.model_copy(update={"adapters": adapters, "path": None})})
+
+
+def with_adapters(job: Job) -> Job:
+    """The job with lora.path's adapters listed into its spec's lora.adapters (once, by the driver)."""
+    return replace(job, spec=listed_adapters(job.spec)) if job.spec.lora.path else job
 
 
 def check_adapters(spec: JobSpec) -> dict[str, str]:

@@ -72,6 +72,7 @@ class ShardWorker(EngineActor):
         self.lock_owner = lock_owner
         """The run lock's owner (pipeline.io.lock): the record must still name it when a shard commits."""
         self.spec = spec = job.spec
+        self.stage = spec.stage()
         self.input = Storage(spec.input.path, spec.input.storage_options)
         self.output = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format)
         self.engine_config = spec.engine_config()
@@ -109,7 +110,7 @@ class ShardWorker(EngineActor):
         engine = time.perf_counter()
         lines = self.output.format == "openai_batch"  # one line per request, with its n choices
         table = (self._openai_lines(rows, results) if lines
-                 else output_table(self.spec, rows, results, self.tasks.embedding_width))
+                 else output_table(self.stage, rows, results, self.tasks.embedding_width))
         cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
         counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
@@ -188,7 +189,7 @@ class ShardWorker(EngineActor):
         self._build_engine()
 
     def _build_engine(self) -> None:
-        self.engine, self.tasks = start_engine(self.spec, config=self.engine_config)
+        self.engine, self.tasks = start_engine(self.stage, self.spec.workers, config=self.engine_config)
 
     def _bad_lines(self, rows: list[Row]) -> tuple[list[Row], int]:
         """Applies input.on_bad_line to lines that did not parse: error (keep as error rows),

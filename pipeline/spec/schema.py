@@ -307,12 +307,20 @@ def _describe(err: dict) -> str:
     return f"{where}: {msg}"
 
 
+YAML_ORDER = ("model", "task", "input", "output", "engine", "sampling", "workers", "report", "label", "eval", "embed",
+              "score", "lora", "max_error_rate", "seed")
+"""The job spec's sections in the order its reference lists them (a spec file's order: the stage's
+sections and the job's interleave)."""
+
+
 def field_reference() -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, description) for every field, for `batchinfer spec` and docs."""
     rows = []
 
     def walk(model: type[BaseModel], prefix: str):
-        for name, info in model.model_fields.items():
+        fields = model.model_fields
+        order = YAML_ORDER if model is JobSpec else tuple(fields)
+        for name, info in ((name, fields[name]) for name in order):
             ann = info.annotation
             key = prefix + name
             if isinstance(ann, type) and issubclass(ann, BaseModel):

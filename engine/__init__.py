@@ -16,7 +16,7 @@ Its packages, each answering one question (which may import which: docs/architec
 On top: the engines behind the protocol `engine.api.Engine`, each built by `build(config)` (builder.py):
 `LLMEngine` (llm_engine.py: step() = schedule, run, postprocess; choice scoring, decoder pooling),
 `EncoderEngine` (encoder_engine.py: an encoder's embed, classify, score) and `builtin:echo`'s stand-in
-(echo.py); what they share (prompt_reader.py, pooling_calls.py, scoring.py); vLLM's offline `LLM` over
+(echo.py); what they share (prompt_reader.py, pooling_calls.py, choice_scoring.py); vLLM's offline `LLM` over
 an engine (offline.py). Configuration, the protocol, sampling parameters, outputs and errors import
 without torch; `build`, `LLMEngine`, `EncoderEngine`, `LLM` and `EchoEngine` (which need torch or the
 tokenizers) are imported on first use, so that job specs can be read anywhere."""

@@ -38,7 +38,7 @@ from engine.sample.finish import finish_rows
 from engine.sample.prompt_logprobs import prompt_logprob_rows, collect_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.token_options import bad_word_sequences, check_request
-from engine.scoring import choice_rows
+from engine.choice_scoring import choice_rows
 from engine.structured import GrammarBackend
 
 log = logging.getLogger(__name__)

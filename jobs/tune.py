@@ -129,7 +129,7 @@ def measure(spec: JobSpec, setting: Setting, rows: list[Row]) -> Measurement:
 
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update=setting.__dict__)})
     llm, tasks = start_engine(spec.stage(), spec.workers)  # as a job's actor has it: on CPU, its share of the cores' threads
-    refusal = None if tasks.scoring else llm.refusal("step")  # first-token times need rows watched pass by pass
+    refusal = None if tasks.by_choices else llm.refusal("step")  # first-token times need rows watched pass by pass
     if refusal is not None:
         llm.close()
         raise ValueError(f"batchinfer tune: {refusal}")
@@ -152,7 +152,7 @@ def _run_once(setting: Setting, llm, tasks, rows) -> Measurement:
     """One pass over the sample."""
     llm.batch_stats.clear()
     start = time.perf_counter()
-    counts, ttft = _score(tasks, rows) if tasks.scoring else _generate(llm, tasks, rows, start)
+    counts, ttft = _score(tasks, rows) if tasks.by_choices else _generate(llm, tasks, rows, start)
     seconds = time.perf_counter() - start
     slots = max((s.reserved_tokens for s in llm.batch_stats), default=None)
     return Measurement(setting, seconds, rows=len(rows), **counts, ttft=ttft, peak_kv_tokens=slots)

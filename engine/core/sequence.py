@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 LOGITS_BYTES = 256 * 2**20
 """The float32 logits rows a pass keeps beyond each row's last stay under this size: those of rows
 collecting prompt logprobs (the scheduler's collect_tokens, which the engine sets from the
-vocabulary) and score_choices' chunks of choice tokens (engine.scoring)."""
+vocabulary) and score_choices' chunks of choice tokens (engine.choice_scoring)."""
 
 
 def collect_tokens(vocab_size: int) -> int:

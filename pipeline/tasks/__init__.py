@@ -7,7 +7,7 @@ from pipeline.tasks.openai_requests import BatchRequest, parse_messages, parse_r
 from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, output_lines, request_for, response_line
 from pipeline.tasks.prompts import PromptBuilder, check_prompt, parse_template
 from pipeline.tasks.row_result import RowResult
-from pipeline.tasks.scoring import Normalizer, extract_answer, group_key, normalize, score_columns, score_row
+from pipeline.tasks.grading import Normalizer, extract_answer, group_key, normalize, score_columns, score_row
 from pipeline.tasks.table import COLUMN_TYPES, column_type, output_table
 from pipeline.tasks.generate import NO_MATCH, row_seed
 from pipeline.tasks.task import Request, RowError, Task

@@ -2,7 +2,7 @@
 (a row that cannot run gets its error there), one engine call for the rows that run, each answer
 collected into the row's result, then what the task adds over the whole batch (eval's scores).
 
-The task classes (one per task: generate.py, choices.py, pooling.py, openai_lines.py, scored.py)
+The task classes (one per task: generate.py, choices.py, pooling.py, openai_lines.py, graded.py)
 say only what is their own: `prepare(index, row) -> Request`, `call(requests) -> outputs` and
 `collect(row, request, output) -> RowResult`."""
 from __future__ import annotations

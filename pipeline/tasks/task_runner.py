@@ -4,7 +4,7 @@ generate  prompt -> text (pipeline.tasks.generate.Generate).
 label     prompt -> one of `choices`, picked by the log-likelihood of each choice after the prompt
           (choices.LabelByChoices); generated text parsed with `label_regex` (generate.LabelByParsing);
           or a JSON object generated under `json_schema` (generate.LabelByFields).
-eval      generate (or label), then each row scored against its reference (scored.Scored).
+eval      generate (or label), then each row graded against its reference (scored.Graded).
 embed, classify, score   pooling (pooling.Embed, Classify, Score; classify with a reference is scored).
 OpenAI Batch request lines: each line's own URL and body (openai_lines.OpenAIBatchLines).
 
@@ -24,7 +24,7 @@ from pipeline.tasks.openai_responses import output_lines
 from pipeline.tasks.pooling import Classify, Embed, Score
 from pipeline.tasks.prompts import PromptBuilder
 from pipeline.tasks.row_result import RowResult
-from pipeline.tasks.scored import Scored
+from pipeline.tasks.graded import Graded
 
 if TYPE_CHECKING:
     from engine.api import Engine
@@ -39,7 +39,7 @@ def task_for(stage: Stage, engine: Engine, prompts: PromptBuilder | None, lora: 
     spec = stage.spec
     if spec.task in POOLING_TASKS:
         task = POOLING_CLASSES[spec.task](spec, engine, prompts, lora=lora)
-        return Scored(spec, task) if spec.task == "classify" and spec.eval.reference_column else task
+        return Graded(spec, task) if spec.task == "classify" and spec.eval.reference_column else task
     if stage.requests:
         return OpenAIBatchLines(spec, engine, None, lora=lora, lines=stage.lines)
     label, kwargs = spec.label, {"lora": lora, "sampling_column": stage.sampling_column, "lines": stage.lines}
@@ -53,7 +53,7 @@ def task_for(stage: Stage, engine: Engine, prompts: PromptBuilder | None, lora: 
         task = LabelByFields(spec, engine, prompts, **kwargs)
     else:  # eval of plain generations
         task = Generate(spec, engine, prompts, **kwargs)
-    return Scored(spec, task) if spec.task == "eval" else task
+    return Graded(spec, task) if spec.task == "eval" else task
 
 
 class TaskRunner:
@@ -70,8 +70,8 @@ class TaskRunner:
         self.adapters = adapter_requests(spec.lora.adapters)
         """With LoRA: adapter name -> LoRARequest (the spec's adapters, lora.path's listed in)."""
         self.task = task_for(stage, engine, self.prompts, bool(self.adapters))
-        inner = self.task.inner if isinstance(self.task, Scored) else self.task
-        self.scoring = isinstance(inner, LabelByChoices)
+        inner = self.task.inner if isinstance(self.task, Graded) else self.task
+        self.by_choices = isinstance(inner, LabelByChoices)
         """Labels by choice scoring: no token is generated."""
         width = engine.facts().embedding_width if spec.task == "embed" else None
         self.embedding_width = (spec.embed.dimensions or width) if width is not None else None

@@ -28,7 +28,7 @@ MAY_IMPORT = {
     "pooling": {"api", "core", "models", "runner"},
     "structured": {"api", "core"},
 }
-"""The engine packages each package may import, besides itself; the top (llm_engine.py, encoder_engine.py, builder.py, scoring.py,
+"""The engine packages each package may import, besides itself; the top (llm_engine.py, encoder_engine.py, builder.py, choice_scoring.py,
 echo.py and the face) may import any of them."""
 
 TORCH_FREE = {"api", "core"}

@@ -1,11 +1,11 @@
-"""task eval (and classify with eval.reference_column): the rows of another task, each scored against
-its reference (`score_<metric>` columns); pipeline.run.reporting.metrics aggregates the committed
-scores into metrics.json."""
+"""task eval (and classify with eval.reference_column): the rows of another task, each graded against
+its reference (pipeline.tasks.grading: the `score_<metric>` columns); pipeline.run.reporting.metrics
+aggregates the committed grades into metrics.json."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tasks import scoring
+from pipeline.tasks import grading
 from pipeline.tasks.task import Task
 
 if TYPE_CHECKING:
@@ -14,9 +14,9 @@ if TYPE_CHECKING:
     from pipeline.tasks.task import Request
 
 
-class Scored(Task):
-    """Runs `inner` (generate, a label task, classify), then scores every sample row on its own (a row
-    that drew no samples is scored once: its copies share it)."""
+class Graded(Task):
+    """Runs `inner` (generate, a label task, classify), then grades every sample row on its own (a row
+    that drew no samples is graded once: its copies share it)."""
 
     def __init__(self, spec: JobSpec, inner: Task):
         super().__init__(inner.engine, inner.lora)
@@ -46,12 +46,12 @@ class Scored(Task):
         text_metrics = [m for m in ev.metrics if m != "accuracy"]
         if text_metrics:
             preds = [None if bad else r.generated_text for r, bad in zip(samples, failed)]
-            columns.update(scoring.score_columns(preds, refs, text_metrics, normalize_opts=normalize,
+            columns.update(grading.score_columns(preds, refs, text_metrics, normalize_opts=normalize,
                                                  answer_regex=ev.answer_regex))
         if "accuracy" in ev.metrics:
             # a generated label that did not parse counts as wrong, not as missing
             preds = [None if bad else (r.label or "") for r, bad in zip(samples, failed)]
-            columns.update(scoring.score_columns(preds, refs, ["accuracy"], normalize_opts=normalize))
+            columns.update(grading.score_columns(preds, refs, ["accuracy"], normalize_opts=normalize))
         for name, values in columns.items():
             for sample, value in zip(samples, values):
                 sample.scores[name] = value

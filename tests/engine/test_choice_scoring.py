@@ -59,7 +59,7 @@ def test_rows_that_cannot_be_scored_fail_alone():
 
 def test_a_row_needs_its_prompt_blocks_once_and_per_longer_choice_a_partial_copy():
     from engine.core.block_pool import BlockPool
-    from engine.scoring import _blocks
+    from engine.choice_scoring import _blocks
 
     pool = BlockPool(num_blocks=64, block_size=16)
     assert _blocks(pool, [1] * 40, [[2], [3]]) == 3  # one-token choices are scored from the prompt's logits
@@ -67,12 +67,12 @@ def test_a_row_needs_its_prompt_blocks_once_and_per_longer_choice_a_partial_copy
 
 
 def test_second_pass_in_row_chunks_gives_the_same_scores(monkeypatch):
-    import engine.scoring
+    import engine.choice_scoring
 
     llm = LLMEngine(EngineConfig(model="builtin:tiny"))
     prompts, choices = ["one two", "three"], [[" alpha", " beta", " gamma delta"], [" x y z", " w"]]
     whole = llm.score_choices(prompts, choices)
-    monkeypatch.setattr(engine.scoring, "LOGITS_BYTES", 1)  # one choice row per forward pass
+    monkeypatch.setattr(engine.choice_scoring, "LOGITS_BYTES", 1)  # one choice row per forward pass
     chunked = llm.score_choices(prompts, choices)
     for a, b in zip(whole, chunked):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -1,4 +1,4 @@
-"""Eval scores per row (task: eval): each worker scores its rows and commits them with its part
+"""Grading rows against their references (task: eval): each worker grades its rows and commits them with its part
 as float columns `score_<metric>`: 1.0 = correct, 0.0 = wrong, null = unscored (no reference, or
 the row itself failed). pipeline.run.reporting.metrics aggregates the committed scores into metrics.json.
 """

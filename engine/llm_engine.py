@@ -50,6 +50,11 @@ def _config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
     return config if config is not None else EngineConfig(**overrides)
 
 
+def _unfinished(running: RunningRows, scheduler: Scheduler) -> bool:
+    """Whether any request is still running or queued."""
+    return not running.empty or scheduler.has_work()
+
+
 class LLMEngine:
     """A single-process generation engine (engine.api.Engine; SteppingEngine).
 
@@ -60,20 +65,19 @@ class LLMEngine:
     """
 
     def __new__(cls, config: EngineConfig | None = None, **overrides):
-        if cls is LLMEngine:
-            config = _config(config, overrides)
-            info = read_pooling_info(config)
-            if info.kind == "encoder":
-                return EncoderEngine(config, info)
-        return super().__new__(cls)
+        info = read_pooling_info(_config(config, overrides))
+        if cls is LLMEngine and info.kind == "encoder":
+            return EncoderEngine(_config(config, overrides), info)
+        engine = super().__new__(cls)
+        engine.pooling_info = info
+        """What the model says about embed, classify and score (engine.models.pooling), read once."""
+        return engine
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
         self.config = _config(config, overrides)
         import_apart()  # the modules that keep their importer's frames: never this constructor's
         self.batch_stats: list[BatchStats] = []  # every batch run so far, in order (pooling: one per call)
-        self.pooling_info = read_pooling_info(self.config)
-        """What the model says about embed, classify and score (engine.models.pooling)."""
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(self.config)  # self.pooling_info: read by __new__
         if self.runner.device.type == "cpu":
             keep_cpu_buffers()
         try:
@@ -120,7 +124,7 @@ class LLMEngine:
                         paged=self.paged)
         running, scheduler = self.running, self.scheduler  # the pieces: nothing below holds the engine
         self.pooling = PoolingCalls(self.pooling_info, pooler, self.adapters,
-                                    busy=lambda: not running.empty or scheduler.has_work())
+                                    busy=lambda: _unfinished(running, scheduler))
         """embed, classify and score of a decoder pooling model (engine.pooling_calls)."""
 
     def _prepare(self) -> None:
@@ -236,7 +240,7 @@ class LLMEngine:
         return self.prompts.chat_image_prompt(converted, sources, **template_kwargs)
 
     def has_unfinished(self) -> bool:
-        return not self.running.empty or self.scheduler.has_work()
+        return _unfinished(self.running, self.scheduler)
 
     def abort(self, reason: str = "aborted") -> list[Sequence]:
         """Ends every unfinished request with finish_reason "error" and `reason` as its error, and

@@ -282,7 +282,7 @@ class JobSpec(StageSpec):
                 fingerprint(self, settled=False, alias=True, tuned=False, planned=False)}
 
 
-def validate(data: dict, kind: type[StageSpec] | None = None) -> JobSpec:
+def validate(data: dict, kind: type[StageSpec] | None = None) -> StageSpec:
     """`data` validated as a JobSpec (or as `kind`, e.g. ProcessorSpec); SpecError names every bad key."""
     kind = kind or JobSpec
     try:

@@ -42,17 +42,15 @@ def task_for(stage: Stage, engine: Engine, prompts: PromptBuilder | None, lora: 
         return Graded(spec, task) if spec.task == "classify" and spec.eval.reference_column else task
     if stage.requests:
         return OpenAIBatchLines(spec, engine, None, lora=lora, lines=stage.lines)
-    label, kwargs = spec.label, {"lora": lora, "sampling_column": stage.sampling_column, "lines": stage.lines}
-    if spec.task == "generate":
-        task = Generate(spec, engine, prompts, **kwargs)
-    elif label.choices or label.choices_column:
-        task = LabelByChoices(spec, engine, prompts, **kwargs)
-    elif label.label_regex:
-        task = LabelByParsing(spec, engine, prompts, **kwargs)
-    elif label.json_schema is not None:
-        task = LabelByFields(spec, engine, prompts, **kwargs)
-    else:  # eval of plain generations
-        task = Generate(spec, engine, prompts, **kwargs)
+    label, kind = spec.label, Generate  # generate, and eval of plain generations
+    if spec.task in ("label", "eval"):
+        if label.choices or label.choices_column:
+            kind = LabelByChoices
+        elif label.label_regex:
+            kind = LabelByParsing
+        elif label.json_schema is not None:
+            kind = LabelByFields
+    task = kind(spec, engine, prompts, lora=lora, sampling_column=stage.sampling_column, lines=stage.lines)
     return Graded(spec, task) if spec.task == "eval" else task
 
 

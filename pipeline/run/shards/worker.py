@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from engine.api import CPU_POOL_TOKENS
+from engine.api import CPU_POOL_TOKENS, EngineFacts
 from engine.api import RankError, one_line
 from pipeline.errors import FatalShardError, LockLost
 from pipeline.io import CommitRecord, OutputDir, Shard, Storage, owned_by, read_shard, with_retries
@@ -113,11 +113,12 @@ class ShardWorker(EngineActor):
                  else output_table(self.stage, rows, results, self.tasks.embedding_width))
         cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
         counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
+        facts = self.engine.facts()  # once per shard: its pool and what the part record says of the engine
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
                          cached_prompt_tokens=cached,
                          read_seconds=read - started, engine_seconds=engine - read, idle_seconds=idle,
                          oom_retries=len(budgets), oom_budgets=budgets,
-                         max_batch_tokens=self._pool_tokens(), engine=self.engine.facts().record())
+                         max_batch_tokens=self._pool_tokens(facts), engine=facts.record())
         chaos.point("shard")
         before_commit = time.perf_counter()
         record.seconds = before_commit - started
@@ -164,11 +165,12 @@ class ShardWorker(EngineActor):
                                           "or run on a larger device") from exc
                 budgets.append(self._halve_budget())
 
-    def _pool_tokens(self) -> int:
-        """The KV pool's tokens: the configured max_batch_tokens, else what the engine sized."""
+    def _pool_tokens(self, facts: EngineFacts | None = None) -> int:
+        """The KV pool's tokens: the configured max_batch_tokens, else what the engine sized (`facts`:
+        the engine's, when the caller has them)."""
         if self.engine_config.max_batch_tokens is not None:
             return self.engine_config.max_batch_tokens
-        return self.engine.facts().pool_tokens or CPU_POOL_TOKENS
+        return (facts or self.engine.facts()).pool_tokens or CPU_POOL_TOKENS
 
     def _halve_budget(self) -> int:
         budget = self._pool_tokens() // 2

@@ -107,18 +107,19 @@ def _progress(secrets):
 
 
 def summary_table(result) -> str:
-    run = result.manifest.get("this_run", {})
+    manifest = result.manifest
+    run = manifest.this_run
     rows = [("output", result.output), ("rows", f"{result.rows} ({result.rows_this_run} this run)"),
             ("errors", str(result.errors)), ("prompt tokens", str(result.prompt_tokens)),
-            ("prefix cache hits", f"{result.manifest.get('prefix_cache_hit_rate', 0.0):.1%} of prompt tokens"),
+            ("prefix cache hits", f"{manifest.prefix_cache_hit_rate:.1%} of prompt tokens"),
             ("generated tokens", str(result.generated_tokens)),
             ("wall time", f"{result.seconds:.1f}s ({result.generate_seconds:.1f}s generating)"),
             ("tokens/s", f"{run.get('generated_tokens_per_second', 0.0):.1f} (this run)")]
-    for name, m in result.manifest.get("metrics", {}).items():  # pass@k and maj@n: "<metric> pass@k"
+    for name, m in (manifest.metrics or {}).items():  # pass@k and maj@n: "<metric> pass@k"
         if m["mean"] is not None:
             ci = f"95% CI {m['ci95'][0]:.4f}-{m['ci95'][1]:.4f}, " if m["ci95"] else ""
             rows.append((name, f"{m['mean']:.4f} ({ci}n={m['count']})"))
-    batch = result.manifest.get("openai_batch")
+    batch = manifest.openai_batch
     if batch:
         counts = batch["request_counts"]
         rows.append(("openai batch", f"{counts['completed']} completed, {counts['failed']} failed -> "

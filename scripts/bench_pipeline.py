@@ -79,7 +79,7 @@ def main() -> None:
     t0 = time.perf_counter()
     result = run_job(Job.of(spec), progress=lambda msg: None)
     t_job = time.perf_counter() - t0
-    workers = result.manifest["workers"]
+    workers = result.manifest.workers
     t_shards = sum(w["seconds"] for w in workers.values())
 
     rate_engine = tokens_engine / t_engine

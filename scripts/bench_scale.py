@@ -89,8 +89,9 @@ def measure(out_url: str, options: dict, job: dict) -> dict:
     from pipeline.io import OutputDir, Storage, entries
 
     out = OutputDir(Storage(out_url, options), "parquet")
-    manifest = out.read_json("manifest.json")
-    parts = sorted(entries(out, manifest), key=lambda e: e["committed_at"])
+    found = out.read_manifest()
+    parts = sorted(entries(out, found), key=lambda e: e["committed_at"])
+    manifest = found.to_dict()
     first, last = parts[0]["committed_at"], parts[-1]["committed_at"]
     steady_rows = sum(p["rows"] for p in parts[1:])
     index_bytes = sum(out.storage.fs.size(out.storage.path(manifest["index"]["dir"], f))

@@ -103,7 +103,7 @@ def main() -> None:
         storage = Storage(spec.input.path)  # the one shard a planning task cuts of this small file
         (shard,) = list(plan_shards(storage, list_inputs(storage, "auto"), None, spec.workers.shard_bytes))
         worker = ShardWorker(job)
-        worker({**{k: [v] for k, v in asdict(shard).items()}, "committed": [""]})
+        worker({**{k: [v] for k, v in asdict(shard).items()}, "done": [False], "committed": [None]})
     parts = list((tmp / "out" / "data").iterdir())
     if len(parts) != 1:
         sys.exit(f"walk: expected one written part, found {len(parts)}")

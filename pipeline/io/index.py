@@ -18,6 +18,7 @@ import json
 import posixpath
 from typing import Iterator
 
+from pipeline.io.manifest import Manifest
 from pipeline.io.output import OutputDir
 from pipeline.io.records import CommitRecord
 from pipeline.io.storage import Storage
@@ -72,11 +73,11 @@ class IndexWriter:
                 self.out.storage.remove_tree(item["name"])
 
 
-def entries(out: OutputDir, manifest: dict) -> Iterator[dict]:
+def entries(out: OutputDir, manifest: Manifest) -> Iterator[dict]:
     """Every part of a complete output, one file of the index at a time (constant memory)."""
-    index = manifest.get("index")
+    index = manifest.index
     if index is None:  # layout 1: the parts are in the manifest
-        yield from manifest.get("parts", [])
+        yield from manifest.parts or []
         return
     for name in index["files"]:
         data = out.storage.read_text(out.storage.path(index["dir"], name))
@@ -88,7 +89,7 @@ def entries(out: OutputDir, manifest: dict) -> Iterator[dict]:
 def part_entries(output_url: str, storage_options: dict | None = None) -> Iterator[dict]:
     """The parts of a complete output at `output_url`: what a reader of the results iterates."""
     out = OutputDir(Storage(output_url, storage_options or {}), "parquet")
-    manifest = out.read_json("manifest.json")
+    manifest = out.read_manifest()
     if manifest is None:
         raise FileNotFoundError(f"{output_url} has no manifest.json (the job is not complete)")
     return entries(out, manifest)

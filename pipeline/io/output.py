@@ -1,5 +1,7 @@
-"""An output directory's whole layout: parts committed atomically per shard, their commit records,
-planning and run records, the final files, _SUCCESS.
+"""The owner of an output directory: every file under it goes through OutputDir, as typed records
+(the JobRecord, run and commit records, the plan records, the manifest). Parts are committed
+atomically per shard; the job record changes in one method; earlier versions' records are read into
+today's once, when they are opened (pipeline.io.earlier).
 
 Layout of an output directory:
     _job.json             the spec fingerprint: a rerun with another spec is refused
@@ -26,7 +28,9 @@ import pyarrow as pa
 import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
 import pyarrow.parquet as pq
 
-from pipeline.io.records import CommitRecord, RunRecord
+from pipeline.io import earlier
+from pipeline.io.manifest import Manifest
+from pipeline.io.records import JOB_RECORD, CommitRecord, JobRecord, RunRecord
 from pipeline.io.source import Shard
 from pipeline.io.storage import Storage, with_retries
 
@@ -39,6 +43,8 @@ PLAN_DIR = "_plan"
 RUNS_DIR = "_runs"
 """Run records, one per run."""
 
+MANIFEST = "manifest.json"
+
 
 class OutputDir:
     """One job's output directory."""
@@ -47,6 +53,8 @@ class OutputDir:
         self.storage = storage
         self.format = fmt
         self.ext = "parquet" if fmt == "parquet" else "jsonl"
+        self.record: JobRecord | None = None
+        """The job record, once `open_record` read it (or `start_record` wrote it)."""
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -61,7 +69,48 @@ class OutputDir:
         return {"shard": shard.key, "path": self.storage.uri(self.part_path(shard.key)), "file": shard.name,
                 "start": shard.start, "stop": shard.stop, "bytes": shard.byte_stop - shard.byte_start}
 
-    # -- job record -----------------------------------------------------------------------------
+    # -- the job record and the manifest ------------------------------------------------------------
+
+    def open_record(self) -> JobRecord | None:
+        """The output's job record as today's JobRecord (None: no job started this output)."""
+        data = self.read_json(JOB_RECORD)
+        self.record = None if data is None else earlier.job_record(data, has_parts=self.has_parts())
+        return self.record
+
+    def start_record(self, record: JobRecord) -> JobRecord:
+        """The job record of an output started now, saved."""
+        self.record = record
+        self.write_json(JOB_RECORD, record.to_dict())
+        return record
+
+    def change_record(self, **changes) -> JobRecord:
+        """The one place the job record changes: `changes` set and saved (nothing written when they
+        change nothing)."""
+        if self.record is None:
+            raise RuntimeError("change_record before open_record or start_record")
+        changed = self.record.changed(**changes)
+        if changed != self.record or changed.to_dict() != self.record.to_dict():
+            self.write_json(JOB_RECORD, changed.to_dict())
+        self.record = changed
+        return changed
+
+    def read_manifest(self) -> Manifest | None:
+        """manifest.json as today's Manifest (None until a job completed)."""
+        data = self.read_json(MANIFEST)
+        return None if data is None else earlier.manifest(data)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self.write_json(MANIFEST, manifest.to_dict())
+
+    def planned_shards(self) -> int | None:
+        """Shards of the whole input, once every planning task of the latest run has recorded its
+        count (else None)."""
+        if self.record is None:
+            return None
+        if self.record.plan_blocks is None:
+            return self.record.shards_planned  # layout 1: planned in the driver, which recorded the count
+        plan = self.plan_summary(self.record.plan_blocks)
+        return plan["shards"] if plan else None
 
     def read_json(self, name: str) -> dict | None:
         path = self.storage.path(name)
@@ -85,7 +134,8 @@ class OutputDir:
     def clear(self) -> None:
         """Deletes what an earlier job left (--overwrite): its parts, records, plan, index, final
         files and its runs' records, whose time and cost belong to that job, not the next."""
-        for name in ("_SUCCESS", "manifest.json", "_job.json", *FINAL_FILES):
+        self.record = None
+        for name in ("_SUCCESS", MANIFEST, JOB_RECORD, *FINAL_FILES):
             path = self.storage.path(name)
             if self.storage.exists(path):
                 self.storage.fs.rm(path)
@@ -93,6 +143,10 @@ class OutputDir:
             self.storage.remove_tree(self.storage.path(sub))
 
     # -- parts ----------------------------------------------------------------------------------
+
+    def has_parts(self) -> bool:
+        """Whether an earlier run left anything under data/ (a resume)."""
+        return self.storage.exists(self.storage.path("data"))
 
     def done_keys(self) -> set[str]:
         """Keys of the shards whose part is committed (one entry per shard, not per row)."""

@@ -218,13 +218,15 @@ JOB_RECORD = "_job.json"
 """Where an output keeps its JobRecord."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class JobRecord:
     """What an output directory remembers of the job that owns it (`_job.json`): written when the
     output starts, added to as a run learns more, read by every rerun to decide whether it resumes
-    this output and how. Later versions read it, so a field is only ever added; keys this version
-    does not know are kept as read and written back (`unknown`). EARLIER_SHAPES says how the
-    records of earlier versions, which lack some fields, are read."""
+    this output and how. Frozen: the output's owner (pipeline.io.output.OutputDir: `open_record`,
+    `change_record`) is the one place it changes and is saved. Later versions read it, so a field is
+    only ever added; keys this version does not know are kept as read and written back (`unknown`).
+    A record of an earlier version is read into today's fields once, when the output is opened
+    (pipeline.io.earlier)."""
 
     fingerprint: str | None = None
     """The spec's fingerprint (JobSpec.fingerprint()): a rerun with another is refused, unless it
@@ -233,11 +235,14 @@ class JobRecord:
     """Unix time the output started; OpenAI Batch output lines carry it, the same on every resume."""
     shard_plan: str | None = None
     """How the input is cut into shards: "segments" (JSONL files over segment_bytes planned in
-    segments), "bytes" (whole files, shards ended by bytes); None: see EARLIER_SHAPES."""
+    segments), "bytes" (whole files, shards ended by bytes), "rows" (whole files, shards of
+    workers.rows_per_batch rows, 256 by default: read so from a record of before shard_bytes, which
+    has none)."""
     segment_bytes: int | None = None
     """With shard_plan "segments": the segment size."""
     numerics: dict | None = None
-    """{"dtype", "device"} the output computes in (JobSpec.numerics()): a resume must compute alike."""
+    """{"dtype", "device"} the output computes in (JobSpec.numerics()): a resume must compute alike.
+    Read as {"device"} alone from a record of before numerics whose output has parts."""
     spec: dict | None = None
     """The spec the output started with, as JSON with its fingerprint, secrets redacted: its
     rows_per_batch and shard_bytes keep cutting the same shards on every resume."""
@@ -263,41 +268,23 @@ class JobRecord:
     """Layout 1 only (no plan_blocks): the shards its driver planned."""
     unknown: dict = field(default_factory=dict)
     """Keys of a newer batchinfer's record, kept as read."""
+    filled: frozenset = field(default=frozenset(), compare=False)
+    """Fields read into today's shape from an earlier version's record (pipeline.io.earlier): not
+    written back until a run sets them, so the record on storage keeps lacking what it lacked."""
 
     @classmethod
     def from_dict(cls, data: dict) -> JobRecord:
-        names = {f.name for f in dataclasses.fields(cls)} - {"unknown"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"unknown", "filled"}
         return cls(**{k: v for k, v in data.items() if k in names},
                    unknown={k: v for k, v in data.items() if k not in names})
 
     def to_dict(self) -> dict:
         """The fields set (a record of an earlier version keeps lacking what it lacked), then `unknown`."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "unknown" and getattr(self, f.name) is not None}
+               if f.name not in ("unknown", "filled") and f.name not in self.filled
+               and getattr(self, f.name) is not None}
         return out | self.unknown
 
-    @classmethod
-    def read(cls, out) -> JobRecord | None:
-        """The record of `out` (a pipeline.io.output.OutputDir), or None on an output no job started."""
-        data = out.read_json(JOB_RECORD)
-        return cls.from_dict(data) if data is not None else None
-
-    def save(self, out) -> None:
-        out.write_json(JOB_RECORD, self.to_dict())
-
-
-EARLIER_SHAPES = (
-    ("no shard_plan", "an output of batchinfer before shard_bytes: shards cut every workers.rows_per_batch rows "
-                      "(256 by default), whole files (pipeline.run.shards.planner.shard_plan)"),
-    ("shard_plan bytes", "before large files were planned in segments: whole files, shards ended by bytes"),
-    ("no numerics", "before outputs recorded them: a resumed one computed on CPU unless its spec set workers.gpus "
-                    "(pipeline.run.checks.claim.choose_devices); a complete one is not checked"),
-    ("no adapters", "no LoRA, or before adapter digests were kept: the next run with adapters records them"),
-    ("no ids_unique", "the unique-id check runs once more, then is recorded"),
-    ("no ids_duplicate", "no duplicate id was found, or the check ran before the job: it then ran before any shard"),
-    ("no plan_blocks", "layout 1, planned in the driver: its shards_planned says how many shards the input has"),
-    ("no batchinfer_version", "started by a batchinfer before 0.1.0 recorded its version"),
-    ("no model_identity", "before outputs recorded what identifies the model: the next run records its model's"),
-    ("no inputs", "before outputs recorded their input files: the next run records the files it finds"),
-)
-"""How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""
+    def changed(self, **changes) -> JobRecord:
+        """This record with `changes` set (they are no longer read from an earlier shape)."""
+        return dataclasses.replace(self, **changes, filled=self.filled - changes.keys())

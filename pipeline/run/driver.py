@@ -17,14 +17,14 @@ from dataclasses import dataclass, field, replace
 
 from engine.api import one_line
 from pipeline.errors import InputError, JobError, LockHeld, ResourceError
-from pipeline.io import PLAN_DIR, IndexWriter, JobRecord, OutputDir, RunLock, RunRecord, Storage
+from pipeline.io import PLAN_DIR, IndexWriter, Manifest, OutputDir, RunLock, RunRecord, Storage
 from pipeline.run.shards import chaos
 from pipeline.run.checks.adapters import check_adapters, with_adapters
 from pipeline.run.checks.claim import choose_devices, claim
 from pipeline.run.checks.inputs import input_record
 from pipeline.run.checks.model import check_model_identity
 from pipeline.run.shards.dataflow import execute
-from pipeline.run.reporting.manifest import build_manifest, final_files
+from pipeline.run.reporting.manifest import build_manifest
 from pipeline.run.shards.planner import ShardPlan, plan_blocks, planned_by, shard_plan
 from pipeline.run.checks.preflight import preflight
 from pipeline.run.reporting.progress import as_progress
@@ -55,7 +55,7 @@ class JobResult:
     generate_seconds: float = 0.0
     """Wall time of the pipeline itself (Ray start-up excluded)."""
     error_samples: list[str] = field(default_factory=list)
-    manifest: dict = field(default_factory=dict)
+    manifest: Manifest = field(default_factory=Manifest)
 
 
 def run_job(job: Job | dict, overwrite: bool = False, address: str | None = None, progress=None,
@@ -96,27 +96,27 @@ def _run_locked(job: Job, out: OutputDir, files, run: RunRecord, overwrite: bool
                 inputs: dict | None = None) -> JobResult:
     """The run, step by step, under the output's lock (checked before every write that commits:
     LockLost once another run took it over)."""
-    record = claim(out, job, overwrite, adapters, model, inputs)
+    claim(out, job, overwrite, adapters, model, inputs)
     if out.is_complete():
-        return _result("nothing_to_do", out, out.read_json("manifest.json") or {}, run)
+        return _result("nothing_to_do", out, out.read_manifest() or Manifest(), run)
     start_ray()
-    _reserve(job, out, record, run, progress)
+    _reserve(job, out, run, progress)
     _remove_half_written(out)
     out.write_run(run)
     chaos.point("listed")
-    resume = out.storage.exists(out.storage.path("data"))
-    plan = _plan(job, out, record, files, resume, progress)
-    ids = _start_id_check(job, out, record, files, plan, progress)
-    index, totals = _generate(job, out, record, files, resume, plan, run, progress, ids, lock)
-    _id_check_passed(ids, out, record, run, progress)
-    _check_every_shard_committed(out, record, run, totals)
+    resume = out.has_parts()
+    plan = _plan(job, out, files, resume, progress)
+    ids = _start_id_check(job, out, files, plan, progress)
+    index, totals = _generate(job, out, files, resume, plan, run, progress, ids, lock)
+    _id_check_passed(ids, out, run, progress)
+    _check_every_shard_committed(out, run, totals)
     chaos.point("generated")
-    return _complete(job, out, record, run, index, totals, lock)
+    return _complete(job, out, run, index, totals, lock)
 
 
-def _reserve(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, progress) -> None:
+def _reserve(job: Job, out: OutputDir, run: RunRecord, progress) -> None:
     """The devices (batchinfer picks GPUs where it may) and the cluster's room for the workers."""
-    chosen = choose_devices(job, out, record, progress)
+    chosen = choose_devices(job, out, progress)
     run.set_workers(job.spec.workers)  # GPU-hours where batchinfer picked GPUs
     tp = job.spec.engine.tensor_parallel_size
     try:
@@ -132,30 +132,27 @@ def _remove_half_written(out: OutputDir) -> None:
         log.info("removed %d half-written parts left by an earlier crash", removed)
 
 
-def _plan(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, progress) -> ShardPlan:
+def _plan(job: Job, out: OutputDir, files, resume: bool, progress) -> ShardPlan:
     """The output's shard plan (the one it started with), its planning records cleared for this run."""
     try:
-        plan = shard_plan(job.spec, record)
+        plan = shard_plan(job.spec, out.record)
     except InputError as exc:
         raise JobError(str(exc)) from None
-    planned, asked = planned_by(job.spec, record), (job.spec.workers.rows_per_batch, job.spec.workers.shard_bytes)
+    planned, asked = planned_by(job.spec, out.record), (job.spec.workers.rows_per_batch, job.spec.workers.shard_bytes)
     if resume and planned != asked:
         progress(f"the output keeps the shards it started with (workers.rows_per_batch {planned[0]}, shard_bytes "
                  f"{planned[1]}); the spec's {asked[0]} and {asked[1]} apply to a new output")
     out.storage.remove_tree(out.storage.path(PLAN_DIR))
-    blocks = plan_blocks(files, plan.segment_bytes)
-    if record.plan_blocks != blocks:
-        record.plan_blocks = blocks
-        record.save(out)
-    progress(f"{len(files)} input files, planned by {record.plan_blocks} Ray tasks"
+    blocks = out.change_record(plan_blocks=plan_blocks(files, plan.segment_bytes)).plan_blocks
+    progress(f"{len(files)} input files, planned by {blocks} Ray tasks"
              + ("; shards committed earlier are skipped" if resume else ""))
     return plan
 
 
-def _start_id_check(job: Job, out: OutputDir, record: JobRecord, files, plan: ShardPlan, progress) -> IdCheck | None:
+def _start_id_check(job: Job, out: OutputDir, files, plan: ShardPlan, progress) -> IdCheck | None:
     """input.id_column's values checked unique, once per output, beside the work (Ray tasks
     started now); a duplicate an earlier run found, still in the input, refuses the run at once."""
-    inp = job.spec.input
+    inp, record = job.spec.input, out.record
     if not inp.id_column or record.ids_unique:
         return None
     if inp.unique_ids == "trust":
@@ -165,13 +162,12 @@ def _start_id_check(job: Job, out: OutputDir, record: JobRecord, files, plan: Sh
         found = still_duplicated(job.spec, files, plan, record.ids_duplicate)
         if found is not None:
             raise JobError(f"{found.line()}; fix the input and rerun")
-        record.ids_duplicate = None  # the input changed there: checked again, beside the work
-        record.save(out)
+        out.change_record(ids_duplicate=None)  # the input changed there: checked again, beside the work
     progress("checking that id_column values are unique, beside the work")
     return IdCheck(job.spec, files, plan)
 
 
-def _id_check_passed(ids: IdCheck | None, out: OutputDir, record: JobRecord, run: RunRecord, progress) -> None:
+def _id_check_passed(ids: IdCheck | None, out: OutputDir, run: RunRecord, progress) -> None:
     """The shards are done: the output is complete only once the id check passed."""
     if ids is None:
         return
@@ -182,23 +178,21 @@ def _id_check_passed(ids: IdCheck | None, out: OutputDir, record: JobRecord, run
     except JobError as exc:
         run.end("failed")
         out.write_run(run)
-        _stopped_by_duplicate(ids, out, record, exc)
-    record.ids_unique = True
-    record.save(out)
+        _stopped_by_duplicate(ids, out, exc)
+    out.change_record(ids_unique=True)
 
 
-def _stopped_by_duplicate(ids: IdCheck, out: OutputDir, record: JobRecord, exc: BaseException):
+def _stopped_by_duplicate(ids: IdCheck, out: OutputDir, exc: BaseException):
     """Raises the job's error once the id check found a duplicate: recorded (a rerun refuses in the
     same line while the input holds it), with the parts committed so far, which are kept."""
     if ids.duplicate is None:
         raise exc
-    record.ids_duplicate = ids.duplicate.to_json()
-    record.save(out)
+    out.change_record(ids_duplicate=ids.duplicate.to_json())
     raise JobError(f"{ids.duplicate.line()}; the job stopped: the {len(out.done_keys())} parts committed before are "
                    f"kept (batchinfer report {out.storage.uri(out.storage.root)})") from None
 
 
-def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, plan: ShardPlan, run: RunRecord,
+def _generate(job: Job, out: OutputDir, files, resume: bool, plan: ShardPlan, run: RunRecord,
               progress, ids: IdCheck | None, lock: RunLock | None = None) -> tuple[IndexWriter, PartTotals]:
     """Every shard not committed yet, through the Ray Data pipeline, the run's record kept current:
     the part index written, and the totals over every committed part."""
@@ -206,7 +200,7 @@ def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, 
     run.start_generating()
     try:
         # the job's creation time, the same on every resume (OpenAI Batch lines carry it)
-        created = int(record.created or time.time())
+        created = int(out.record.created or time.time())
         totals = execute(replace(job, created=created), files, resume, plan, run, index, progress,
                          stop=ids, lock=lock)
     except BaseException as exc:
@@ -217,14 +211,14 @@ def _generate(job: Job, out: OutputDir, record: JobRecord, files, resume: bool, 
         if ids is not None:
             ids.cancel()
             if ids.failure() is not None:
-                _stopped_by_duplicate(ids, out, record, exc)
+                _stopped_by_duplicate(ids, out, exc)
         raise
     return index, totals
 
 
-def _check_every_shard_committed(out: OutputDir, record: JobRecord, run: RunRecord, totals: PartTotals) -> None:
+def _check_every_shard_committed(out: OutputDir, run: RunRecord, totals: PartTotals) -> None:
     run.touch()
-    plan = out.plan_summary(record.plan_blocks)
+    plan = out.plan_summary(out.record.plan_blocks)
     if plan is None:
         raise JobError(f"the planning records under {out.storage.uri(out.storage.path(PLAN_DIR))} are incomplete "
                        "after the run (was the output changed while it ran?); rerun to resume")
@@ -236,27 +230,23 @@ def _check_every_shard_committed(out: OutputDir, record: JobRecord, run: RunReco
     out.write_run(run)
 
 
-def _complete(job: Job, out: OutputDir, record: JobRecord, run: RunRecord, index: IndexWriter,
-              totals: PartTotals, lock: RunLock | None = None) -> JobResult:
+def _complete(job: Job, out: OutputDir, run: RunRecord, index: IndexWriter, totals: PartTotals,
+              lock: RunLock | None = None) -> JobResult:
     check = (lambda: lock.check(fresh=True)) if lock is not None else (lambda: None)
     check()
-    finals = final_files(job.spec, out, index.pointer())
-    manifest = build_manifest(job, out, index, totals, record, run) | finals
-    if manifest["rows"] and manifest["errors"] / manifest["rows"] > job.spec.max_error_rate:
-        manifest["status"] = "error_rate_exceeded"
+    manifest = build_manifest(job, out, index, totals, run)
     check()
-    out.write_json("manifest.json", manifest)
+    out.write_manifest(manifest)
     index.remove_others()
     chaos.point("manifest")
-    if manifest["status"] == "complete":
+    if manifest.status == "complete":
         check()
         out.mark_success()
-    return _result(manifest["status"], out, manifest, run)
+    return _result(manifest.status, out, manifest, run)
 
 
-def _result(status, out: OutputDir, manifest: dict, run: RunRecord) -> JobResult:
-    return JobResult(status=status, output=out.storage.url, rows=manifest.get("rows", 0),
-                     errors=manifest.get("errors", 0), prompt_tokens=manifest.get("prompt_tokens", 0),
-                     generated_tokens=manifest.get("generated_tokens", 0), rows_this_run=run.rows,
-                     seconds=time.time() - run.started, generate_seconds=run.generate_seconds,
-                     error_samples=manifest.get("error_samples", []), manifest=manifest)
+def _result(status, out: OutputDir, manifest: Manifest, run: RunRecord) -> JobResult:
+    return JobResult(status=status, output=out.storage.url, rows=manifest.rows, errors=manifest.errors,
+                     prompt_tokens=manifest.prompt_tokens, generated_tokens=manifest.generated_tokens,
+                     rows_this_run=run.rows, seconds=time.time() - run.started,
+                     generate_seconds=run.generate_seconds, error_samples=manifest.error_samples, manifest=manifest)

@@ -115,16 +115,17 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
     lines = []
     cluster(GPU_NODE)
     fresh, out = job("fresh"), OutputDir(Storage(str(tmp_path / "fresh")), "parquet")
-    record = claim(out, fresh, False, {})
-    assert choose_devices(fresh, out, record, lines.append) and fresh.spec.workers.gpus == 1
+    claim(out, fresh, False, {})
+    assert choose_devices(fresh, out, lines.append) and fresh.spec.workers.gpus == 1
     assert out.read_json("_job.json")["numerics"] == {"device": "cuda", "dtype": "bfloat16"}
     again = job("fresh")  # its resume, on the same cluster: the claim leaves the check to the choice
-    assert choose_devices(again, out, claim(out, again, False, {}), lines.append)
+    claim(out, again, False, {})
+    assert choose_devices(again, out, lines.append)
 
     started, out = job("cpu"), OutputDir(Storage(str(tmp_path / "cpu")), "parquet")
-    record = claim(out, started, False, {})  # generated on CPU ...
+    claim(out, started, False, {})  # generated on CPU ...
     out.storage.fs.makedirs(out.storage.path("data"), exist_ok=True)  # ... with rows committed
-    assert not choose_devices(started, out, record, lines.append) and started.spec.workers.gpus == 0
+    assert not choose_devices(started, out, lines.append) and started.spec.workers.gpus == 0
     assert "generated on CPU: its resume stays on CPU" in lines[-1]
 
     cluster(CPU_NODE)  # the GPU output resumed where no GPU is left: refused in one line
@@ -132,4 +133,5 @@ def test_the_output_records_the_choice_and_a_resume_keeps_it(tmp_path, monkeypat
         gone = job("fresh")
         out = OutputDir(Storage(str(tmp_path / "fresh")), "parquet")
         out.storage.fs.makedirs(out.storage.path("data"), exist_ok=True)
-        choose_devices(gone, out, claim(out, gone, False, {}), lines.append)
+        claim(out, gone, False, {})
+        choose_devices(gone, out, lines.append)

@@ -93,7 +93,7 @@ def test_an_output_an_earlier_main_left_half_done_resumes(name, tmp_path):
     shutil.copytree(EARLIER / name, folder)
     for f in (folder / "output").rglob("*.json*"):  # the absolute output path it was written at
         f.write_text(f.read_text().replace("{root}", str(folder)))
-    record = JobRecord.read(OutputDir(Storage(str(folder / "output")), "parquet"))
+    record = OutputDir(Storage(str(folder / "output")), "parquet").open_record()
     assert record is not None and record.fingerprint and record.shard_plan == "segments"
     assert record.batchinfer_version is None  # EARLIER_SHAPES: before it was recorded
     assert JobRecord.from_dict(record.to_dict()) == record
@@ -105,7 +105,7 @@ def test_an_output_an_earlier_main_left_half_done_resumes(name, tmp_path):
     manifest = json.loads((folder / "output" / "manifest.json").read_text())
     assert manifest["this_run"]["rows"] == 4 and manifest["rows"] == 8
     assert sorted(committed_ids(folder / "output")) == sorted(f"input.jsonl:{i}" for i in range(8))
-    assert JobRecord.read(OutputDir(Storage(str(folder / "output")), "parquet")).fingerprint == record.fingerprint
+    assert OutputDir(Storage(str(folder / "output")), "parquet").open_record().fingerprint == record.fingerprint
 
 def test_an_earlier_layout_with_the_old_default_is_refused_in_one_line(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])

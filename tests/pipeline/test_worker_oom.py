@@ -36,7 +36,7 @@ def shard_batch(tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(6)))
     storage = Storage(str(tmp_path / "in.jsonl"))
     (shard,) = plan_shards(storage, list_inputs(storage, "auto"), None, 1 << 20)
-    return {**{k: [v] for k, v in dataclasses.asdict(shard).items()}, "committed": [""]}
+    return {**{k: [v] for k, v in dataclasses.asdict(shard).items()}, "done": [False], "committed": [None]}
 
 
 def make_worker(tmp_path):
@@ -50,7 +50,7 @@ def test_an_allocation_failure_halves_the_budget_and_the_shard_is_committed(tmp_
     batch = shard_batch(tmp_path)
     worker = make_worker(tmp_path)
     result = worker(batch)
-    record = json.loads(result["record"][0])
+    record = result["record"][0].to_dict()
     assert record["oom_retries"] == 2 and record["oom_budgets"] == [4096, 2048]
     assert record["max_batch_tokens"] == 2048 and record["rows"] == 6 and record["errors"] == 0
     table = pq.read_table(record["path"])
@@ -97,7 +97,7 @@ def test_the_engine_is_built_and_run_on_one_thread_whatever_thread_calls_the_act
     batch = shard_batch(tmp_path)
     worker = make_worker(tmp_path)
     with ThreadPoolExecutor(1) as other:  # as Ray Data calls an actor: not on the thread that built it
-        record = json.loads(other.submit(worker, batch).result()["record"][0])
+        record = other.submit(worker, batch).result()["record"][0].to_dict()
     assert record["oom_retries"] == 1 and record["rows"] == 6
     assert len(threads) == 4 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
 
@@ -125,7 +125,7 @@ def engine_losing_a_rank(times: int, built: list):
 def test_a_lost_rank_restarts_the_engine_and_the_shard_is_redone_once(tmp_path, monkeypatch):
     built = []
     monkeypatch.setattr(engine_module, "build_engine", engine_losing_a_rank(1, built))
-    record = json.loads(make_worker(tmp_path)(shard_batch(tmp_path))["record"][0])
+    record = make_worker(tmp_path)(shard_batch(tmp_path))["record"][0].to_dict()
     assert len(built) == 2 and record["rows"] == 6 and record["errors"] == 0
     table = pq.read_table(record["path"])
     assert table["id"].to_pylist() == [f"in.jsonl:{i}" for i in range(6)]  # each row once

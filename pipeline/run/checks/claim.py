@@ -1,6 +1,7 @@
-"""Whether an output accepts a job, and the JobRecord it keeps: one place for what a rerun checks
-against `_job.json` (the spec's fingerprint, the numerics it computes in, its adapters) and for
-how the records of earlier versions are read (pipeline.io.records.EARLIER_SHAPES)."""
+"""Whether an output accepts a job, and what its JobRecord learns: one place for what a rerun checks
+against `_job.json` (the spec's fingerprint, the numerics it computes in, its adapters, its model
+and input files). The record is read (earlier versions' shapes included) and changed by its owner,
+pipeline.io.OutputDir."""
 from __future__ import annotations
 
 import time
@@ -8,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from engine.api import one_line
 from pipeline.errors import JobError, OutputConflict
-from pipeline.io import JobRecord, OutputDir, redact_spec
+from pipeline.io import ROWS_PLAN, JobRecord, OutputDir, redact_spec
 from pipeline.run.checks.adapters import adapters_conflict
 from pipeline.run.checks.inputs import input_conflict
 from pipeline.run.shards.devices import picks_devices, resolve_devices
@@ -27,11 +28,7 @@ def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], m
     try:
         if overwrite:
             out.clear()
-        record = JobRecord.read(out)
-        if record is None:
-            record = _start(job)
-            record.model_identity, record.inputs = model, inputs
-            record.save(out)
+        record = out.open_record() or out.start_record(_start(job, model, inputs))
     except (OSError, PermissionError, ValueError) as exc:
         raise JobError(f"cannot write to output {job.spec.output.path}: {one_line(exc)}") from None
     # a complete output takes no more rows: its model and input files are not checked
@@ -41,22 +38,19 @@ def claim(out: OutputDir, job: Job, overwrite: bool, adapters: dict[str, str], m
         or (input_conflict(job.spec.output.path, record.inputs, inputs) if inputs is not None else None)))
     if refused:
         raise OutputConflict(refused)
-    learned = model is not None and record.model_identity is None  # EARLIER_SHAPES "no model_identity"
-    grown = inputs is not None and not complete and record.inputs != inputs  # "no inputs", or files added
-    if learned or grown:
-        record.model_identity = model if learned else record.model_identity
-        record.inputs = inputs if grown else record.inputs
-        record.save(out)
+    learned = {}
+    if model is not None and record.model_identity is None:  # EARLIER_SHAPES "no model_identity"
+        learned["model_identity"] = model
+    if inputs is not None and not complete and record.inputs != inputs:  # "no inputs", or files added
+        learned["inputs"] = inputs
     if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()}:
         # accepted through the spec it recorded: an earlier version counted a setting never found to change a row
-        record.fingerprint = job.fingerprint
-        record.save(out)
+        learned["fingerprint"] = job.fingerprint
     if adapters and record.adapters != adapters:
         if record.adapters is not None:
             out.reopen()
-        record.adapters = adapters
-        record.save(out)
-    return record
+        learned["adapters"] = adapters
+    return out.change_record(**learned)
 
 
 def refusal(record: JobRecord, job: Job, out: OutputDir, adapters: dict[str, str]) -> str | None:
@@ -66,8 +60,7 @@ def refusal(record: JobRecord, job: Job, out: OutputDir, adapters: dict[str, str
     if record.fingerprint not in {job.fingerprint, *job.spec.accepted_fingerprints()} and not resumes(job.spec, record.spec):
         return _conflict(job, record)
     numerics = job.spec.numerics()
-    if record.numerics is not None and record.numerics != numerics and not out.is_complete() \
-            and not picks_devices(job.spec):
+    if numerics_differ(record.numerics, numerics) and not out.is_complete() and not picks_devices(job.spec):
         return _numerics_conflict(job, record.numerics, numerics)
     return adapters_conflict(job.spec.output.path, record.adapters, adapters)
 
@@ -81,31 +74,32 @@ def model_conflict(job: Job, was: dict | None, now: dict | None) -> str | None:
             "afresh")
 
 
-def choose_devices(job: Job, out: OutputDir, record: JobRecord, progress) -> bool:
+def numerics_differ(was: dict | None, now: dict) -> bool:
+    """Whether an output that computed in `was` (its record's numerics) would compute otherwise in
+    `now`, on what `was` says (an earlier output's record may say only its device)."""
+    return was is not None and any(now.get(k) != v for k, v in was.items())
+
+
+def choose_devices(job: Job, out: OutputDir, progress) -> bool:
     """engine.device auto with workers.gpus unset: GPUs where the cluster has them (one per rank).
     A fresh output records the numerics chosen; a resumed one generated on CPU stays on CPU.
     Returns whether batchinfer chose GPUs."""
-    resumed = out.storage.exists(out.storage.path("data"))
-    was = record.numerics
-    if was is None and resumed:  # EARLIER_SHAPES "no numerics": on CPU unless its spec asked for GPUs
-        recorded = (record.spec or {}).get("workers") or {}
-        was = {"device": "cuda" if recorded.get("gpus") else "cpu"}
-    was = was or {}
-    choice = resolve_devices(job.spec, keep_cpu=resumed and was.get("device") == "cpu")
+    resumed, was = out.has_parts(), out.record.numerics
+    choice = resolve_devices(job.spec, keep_cpu=resumed and (was or {}).get("device") == "cpu")
     progress(choice.line)
     numerics = job.spec.numerics()
-    if choice.resolved and record.numerics != numerics:
-        if resumed and record.numerics is not None:
-            raise OutputConflict(_numerics_conflict(job, record.numerics, numerics))
-        record.numerics = numerics
-        record.save(out)
+    if choice.resolved and was != numerics:
+        if resumed and numerics_differ(was, numerics):
+            raise OutputConflict(_numerics_conflict(job, was, numerics))
+        out.change_record(numerics=numerics)
     return choice.resolved and choice.gpus > 0
 
 
-def _start(job: Job) -> JobRecord:
+def _start(job: Job, model: dict | None, inputs: dict | None) -> JobRecord:
     spec = job.spec.model_dump(mode="json") | {"fingerprint": job.fingerprint}  # as 0.1 wrote it
     return JobRecord(fingerprint=job.fingerprint, created=time.time(), **new_plan_record(),
-                     numerics=job.spec.numerics(), spec=redact_spec(spec), batchinfer_version=_version())
+                     numerics=job.spec.numerics(), spec=redact_spec(spec), batchinfer_version=_version(),
+                     model_identity=model, inputs=inputs)
 
 
 def _version() -> str | None:
@@ -117,8 +111,8 @@ def _version() -> str | None:
 
 def _conflict(job: Job, record: JobRecord) -> str:
     where = job.spec.output.path
-    if record.shard_plan is None and job.spec.workers.rows_per_batch is None:
-        # EARLIER_SHAPES "no shard_plan": shards held rows_per_batch rows (default 256)
+    if record.shard_plan == ROWS_PLAN and job.spec.workers.rows_per_batch is None:
+        # shards held rows_per_batch rows (default 256)
         return (f"{where} was started by an earlier batchinfer that cut shards every workers.rows_per_batch rows "
                 f"(default 256): resume it with --set workers.rows_per_batch=256, or use --overwrite to start afresh")
     recorded_model = (record.spec or {}).get("model")
@@ -132,7 +126,7 @@ def _conflict(job: Job, record: JobRecord) -> str:
 
 def _numerics_conflict(job: Job, was: dict, now: dict) -> str:
     def say(n: dict) -> str:
-        return f"{n['dtype']} on {n['device']}"
+        return f"{n['dtype']} on {n['device']}" if "dtype" in n else n["device"]
 
     how = ("workers.gpus 0" if was["device"] == "cpu" else "workers.gpus > 0") if job.spec.engine.device == "auto" \
         else f"engine.device {was['device']}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from pipeline.io import SUMMARY_FIELDS, CommitRecord, JobRecord, OutputDir, RunRecord, Storage, entries
+from pipeline.io import SUMMARY_FIELDS, CommitRecord, OutputDir, RunRecord, Storage, entries
 
 TIMINGS = ("seconds", "read_seconds", "engine_seconds", "commit_seconds", "idle_seconds")
 """Per-shard times in a commit record: total, reading, the engine, committing, and the actor's
@@ -98,13 +98,14 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
     """What an output directory says about its job, complete or not. A complete one is read
     through its part index; a partial one from the commit records of its committed shards."""
     storage = Storage(url, storage_options or {})
-    job = JobRecord.read(OutputDir(storage, "parquet"))
+    job = OutputDir(storage, "parquet").open_record()
     if job is None or job.spec is None:
         raise FileNotFoundError(f"{url} holds no batchinfer job (no _job.json)")
     out = OutputDir(storage, job.spec["output"]["format"])
-    manifest = out.read_json("manifest.json")
+    out.open_record()
+    manifest = out.read_manifest()
     price = job.spec.get("report", {}).get("price_per_hour")
-    if out.is_complete() and manifest and "index" in manifest:
+    if out.is_complete() and manifest and manifest.index is not None:
         data = build_report(out, map(CommitRecord.from_dict, entries(out, manifest)), price)
         metrics = out.read_json("metrics.json") or {}
         if metrics.get("adapters"):  # a LoRA job: each metric's mean per adapter, to compare the fine-tunes
@@ -114,14 +115,6 @@ def output_report(url: str, storage_options: dict | None = None) -> dict:
                 "shards_planned": data["shards"]["count"], **data}
     keys = sorted(out.done_keys())
     data = build_report(out, (out.summary(k) for k in keys), price)
-    status = "complete" if out.is_complete() else (manifest["status"] if manifest else "incomplete")
+    status = "complete" if out.is_complete() else (manifest.status if manifest else "incomplete")
     return {"output": url, "status": status, "shards_committed": len(keys),
-            "shards_planned": planned_shards(out, job), **data}
-
-
-def planned_shards(out: OutputDir, job: JobRecord) -> int | None:
-    """Shards of the whole input, once every planning task has recorded its count (else None)."""
-    if job.plan_blocks is None:
-        return job.shards_planned  # EARLIER_SHAPES "no plan_blocks": layout 1 planned in the driver
-    plan = out.plan_summary(job.plan_blocks)
-    return plan["shards"] if plan else None
+            "shards_planned": out.planned_shards(), **data}

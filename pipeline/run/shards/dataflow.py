@@ -67,7 +67,7 @@ def execute(job: Job, files: list, resume: bool, plan: ShardPlan, run: RunRecord
     rows, failure = iter(ds.iter_rows()), None
     try:
         for row in rows:
-            record = CommitRecord.from_json(row["record"])
+            record: CommitRecord = row["record"]
             index.add(record)
             totals.add(record)
             if row["new"]:

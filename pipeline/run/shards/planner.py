@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import pyarrow as pa
 
 from pipeline.errors import InputError
-from pipeline.io import JobRecord, OutputDir, Shard, Storage, plan_file, plan_segment
+from pipeline.io import ROWS_PLAN, CommitRecord, JobRecord, OutputDir, Shard, Storage, plan_file, plan_segment
 
 if TYPE_CHECKING:
     from pipeline.spec import JobSpec
@@ -73,11 +73,11 @@ def new_plan_record() -> dict:
 def shard_plan(spec: JobSpec, record: JobRecord) -> ShardPlan:
     """The shard plan of an output, from its _job.json record: the rows_per_batch and shard_bytes
     of the spec it recorded when it started (a resume may set others: they apply to new outputs).
-    Outputs of earlier versions keep theirs: rows only (no `shard_plan`), or bytes with whole
-    files ("bytes")."""
+    Outputs of earlier versions keep theirs: rows only ("rows"), or bytes with whole files
+    ("bytes")."""
     rows, size = planned_by(spec, record)
     kind = record.shard_plan
-    if kind is None:
+    if kind == ROWS_PLAN:
         return ShardPlan(rows or LEGACY_ROWS_PER_SHARD, None)
     if kind == "bytes":
         return ShardPlan(rows, size)
@@ -130,8 +130,10 @@ def plan_units(files: list, segment_bytes: int | None = None) -> list[Unit]:
 SHARD_SCHEMA = pa.schema([("file", pa.string()), ("name", pa.string()), ("format", pa.string()),
                           ("start", pa.int64()), ("stop", pa.int64()), ("byte_start", pa.int64()),
                           ("byte_stop", pa.int64()), ("lora_each", pa.bool_()), ("adapter", pa.string()),
-                          ("committed", pa.string())])
-"""A planned shard as a Ray Data row; `committed` = its commit record (JSON) if already done, else ""."""
+                          ("done", pa.bool_())])
+"""A planned shard as a Ray Data row: the Shard's fields, and `done`: whether its part is committed.
+A `committed` column beside them holds each shard's CommitRecord as a Python object (Ray Data's
+object extension type): the record read back for a done shard, an empty one for the others."""
 
 
 def plan_groups(units: list[Unit]) -> list[list[int]]:
@@ -190,7 +192,7 @@ def job_shards(spec: JobSpec, files: list, plan: ShardPlan) -> Iterator[Shard]:
 
 def output_plan(spec: JobSpec) -> ShardPlan:
     """The plan a run of `spec` cuts: its output's own (_job.json), else a new output's."""
-    record = JobRecord.read(OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format))
+    record = OutputDir(Storage(spec.output.path, spec.output.storage_options), spec.output.format).open_record()
     return shard_plan(spec, record if record is not None else JobRecord(**new_plan_record()))
 
 
@@ -240,16 +242,14 @@ def plan_block(batch: pa.Table, spec: JobSpec, resume: bool, plan: ShardPlan, se
             local = [replace(s, start=s.start + before, stop=s.stop + before) for s in local]
         shards += local
     shards = under_adapters(spec, shards)
-    committed = [_committed(out, s) if resume else "" for s in shards]
+    from ray.data.extensions import ArrowPythonObjectArray
+
+    committed = [out.committed(s) if resume else None for s in shards]
     _record(out, units, shards, time.perf_counter() - started)
     columns = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names[:-1]}
-    return pa.table({**columns, "committed": committed}, schema=SHARD_SCHEMA)
-
-
-def _committed(out: OutputDir, shard: Shard) -> str:
-    """The shard's commit record (JSON) if its part is committed, else ""."""
-    record = out.committed(shard)
-    return record.to_json() if record is not None else ""
+    table = pa.table({**columns, "done": [c is not None for c in committed]}, schema=SHARD_SCHEMA)
+    records = ArrowPythonObjectArray.from_objects([c if c is not None else CommitRecord() for c in committed])
+    return table.append_column("committed", records)
 
 
 def _record(out: OutputDir, units: list[Unit], shards: list[Shard], seconds: float) -> None:

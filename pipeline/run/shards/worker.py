@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 
 from engine.api import CPU_POOL_TOKENS, EngineFacts
@@ -81,23 +82,25 @@ class ShardWorker(EngineActor):
         self.last_done = 0.0
 
     def __call__(self, batch: dict) -> dict:
-        """One commit record (JSON) per shard: its identity, counts and times. A shard the
+        """One CommitRecord per shard: its identity, counts and times. A shard the
         planner found committed already is passed through with its record, without work."""
         self.check_setup()
         return self.on_engine_thread(self._shards, batch)
 
     def _shards(self, batch: dict) -> dict:
         records, new = [], []
-        for shard, done in zip(Shard.from_batch(batch), batch["committed"]):
+        for shard, done, record in zip(Shard.from_batch(batch), batch["done"], batch["committed"]):
             if self.stop is not None and not done:
                 import ray
 
                 reason = ray.get(self.stop.get.remote())
                 if reason is not None:  # the driver stopped the job (a duplicate id): no more shards
                     raise FatalShardError(reason)
-            records.append(str(done) if done else self.process(shard).to_json())
+            records.append(record if done else self.process(shard))
             new.append(not done)
-        return {"record": records, "new": new}
+        out = np.empty(len(records), dtype=object)  # CommitRecords, as Ray Data's object columns carry them
+        out[:] = records
+        return {"record": out, "new": np.array(new, dtype=bool)}
 
     def process(self, shard: Shard) -> CommitRecord:
         started = time.perf_counter()

@@ -36,7 +36,7 @@ EARLIER_SHAPES = (
 """How a record lacking a field, written by an earlier batchinfer, is read: (which shape, how)."""
 
 
-def job_record(data: dict, has_parts: bool) -> JobRecord:
+def read_job_record(data: dict, has_parts: bool) -> JobRecord:
     """`_job.json` of any version as today's JobRecord. `has_parts`: whether the output holds
     committed parts (an earlier output's numerics are known only from those)."""
     record = JobRecord.from_dict(data)
@@ -49,7 +49,7 @@ def job_record(data: dict, has_parts: bool) -> JobRecord:
     return dataclasses.replace(record, **filled, filled=frozenset(filled)) if filled else record
 
 
-def manifest(data: dict) -> Manifest:
+def read_manifest(data: dict) -> Manifest:
     """manifest.json of any layout as today's Manifest."""
     found = Manifest.from_dict(data)
     if "layout" not in data:  # layout 1 wrote none

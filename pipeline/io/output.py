@@ -20,21 +20,19 @@ Layout of an output directory:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import posixpath
 
 import pyarrow as pa
-import pyarrow.json  # noqa: F401  (registers the reader used by read_part)
-import pyarrow.parquet as pq
 
-from pipeline.io import earlier
+from pipeline.io.earlier import read_job_record, read_manifest
+from pipeline.io.formats import openai_batch, writer
 from pipeline.io.manifest import Manifest
 from pipeline.io.records import JOB_RECORD, CommitRecord, JobRecord, RunRecord
-from pipeline.io.source import Shard
+from pipeline.io.shard import Shard
 from pipeline.io.storage import Storage, with_retries
 
-FINAL_FILES = ("metrics.json", "output.jsonl", "errors.jsonl")
+FINAL_FILES = ("metrics.json", openai_batch.OUTPUT_FILE, openai_batch.ERROR_FILE)
 """Written from the committed parts once every shard is done (by task / format)."""
 
 PLAN_DIR = "_plan"
@@ -74,7 +72,7 @@ class OutputDir:
     def open_record(self) -> JobRecord | None:
         """The output's job record as today's JobRecord (None: no job started this output)."""
         data = self.read_json(JOB_RECORD)
-        self.record = None if data is None else earlier.job_record(data, has_parts=self.has_parts())
+        self.record = None if data is None else read_job_record(data, has_parts=self.has_parts())
         return self.record
 
     def start_record(self, record: JobRecord) -> JobRecord:
@@ -97,7 +95,7 @@ class OutputDir:
     def read_manifest(self) -> Manifest | None:
         """manifest.json as today's Manifest (None until a job completed)."""
         data = self.read_json(MANIFEST)
-        return None if data is None else earlier.manifest(data)
+        return None if data is None else read_manifest(data)
 
     def write_manifest(self, manifest: Manifest) -> None:
         self.write_json(MANIFEST, manifest.to_dict())
@@ -170,7 +168,7 @@ class OutputDir:
         path = self.progress_path(key)
         if self.storage.exists(path):
             return CommitRecord.from_json(self.storage.read_text(path))
-        record = CommitRecord.counted(self.read_part(key))
+        record = self.counted(self.read_part(key))
         self.storage.write_atomic(path, record.to_json().encode())
         return record
 
@@ -184,12 +182,14 @@ class OutputDir:
     def read_part(self, key: str) -> pa.Table:
         return decode(self.storage.read_bytes(self.part_path(key)), self.format)
 
-    def iter_lines(self, keys: list[str]):
-        """openai_batch: every committed line, part by part in `keys` order, as parsed dicts."""
-        for key in keys:
-            for line in self.read_part(key).column("line").to_pylist():
-                yield line, json.loads(line)
+    def finish(self, parts) -> dict | None:
+        """The files a complete job adds in its format, from its committed parts (index entries):
+        what the manifest says of them (None: the format adds none)."""
+        return writer(self.format).finish(self, parts)
 
+    def counted(self, table: pa.Table) -> CommitRecord:
+        """The counts over a part's table (identity and times left unset), by its format."""
+        return writer(self.format).count(table)
 
     # -- runs and planning ----------------------------------------------------------------------
 
@@ -227,31 +227,9 @@ class OutputDir:
 
 def decode(data: bytes, fmt: str) -> pa.Table:
     """A part's table from its bytes (the inverse of `encode`)."""
-    if fmt == "parquet":
-        return pq.ParquetFile(pa.BufferReader(arrow_owned(data))).read()
-    lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
-    if fmt == "openai_batch":
-        return pa.table({"line": pa.array(lines, pa.string())})
-    return pa.Table.from_pylist([json.loads(line) for line in lines])
-
-
-def arrow_owned(data: bytes) -> pa.Buffer:
-    """`data` copied into memory that Arrow owns. Arrow's thread pools may drop the last reference
-    to a buffer after the call that used it returned; when that buffer wraps a Python object, the
-    pool thread takes the GIL to free it, and if the interpreter is exiting by then, the thread is
-    ended inside a C++ destructor and the process aborts ("terminate called without an active
-    exception", exit code 134). A buffer of Arrow's own needs no GIL to be freed."""
-    buf = pa.allocate_buffer(len(data))
-    memoryview(buf).cast("B")[:] = data
-    return buf
+    return writer(fmt).decode(data)
 
 
 def encode(table: pa.Table, fmt: str) -> bytes:
-    if fmt == "openai_batch":
-        return "".join(line + "\n" for line in table.column("line").to_pylist()).encode("utf-8")
-    if fmt == "parquet":
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        return buf.getvalue()
-    return "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n"
-                   for row in table.to_pylist()).encode("utf-8")
+    """A part's bytes in output format `fmt`."""
+    return writer(fmt).encode(table)

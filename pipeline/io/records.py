@@ -123,28 +123,12 @@ class CommitRecord(Counts):
 
     @classmethod
     def counted(cls, table: pa.Table) -> CommitRecord:
-        """A record of the counts over an output table (identity and times left unset)."""
-        if table.column_names == ["line"]:
-            return _counted_openai(table)
+        """A record of the counts over an output table of rows (identity and times left unset; an
+        OpenAI Batch part of lines is counted by pipeline.io.formats.openai_batch)."""
         d = table.select(["finish_reason", "error", "num_prompt_tokens", "num_generated_tokens"]).to_pydict()
         errors = [e for e, r in zip(d["error"], d["finish_reason"]) if is_failed(r, e)]
         return cls(rows=table.num_rows, errors=len(errors), prompt_tokens=int(sum(d["num_prompt_tokens"])),
                    generated_tokens=int(sum(d["num_generated_tokens"])), error_samples=errors[:3])
-
-
-def _counted_openai(table: pa.Table) -> CommitRecord:
-    """CommitRecord.counted over OpenAI Batch output lines."""
-    errors, prompt, generated = [], 0, 0
-    for line in table.column("line").to_pylist():
-        obj = json.loads(line)
-        if obj["error"] is not None:
-            errors.append(obj["error"]["message"])
-        else:
-            usage = obj["response"]["body"]["usage"]  # a pooling line's has no completion tokens
-            prompt += usage.get("prompt_tokens", usage.get("total_tokens", 0))
-            generated += usage.get("completion_tokens", 0)
-    return CommitRecord(rows=table.num_rows, errors=len(errors), prompt_tokens=prompt, generated_tokens=generated,
-                        error_samples=errors[:3])
 
 
 @dataclass(kw_only=True)

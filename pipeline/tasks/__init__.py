@@ -3,8 +3,8 @@ embed, classify, score, OpenAI Batch lines), eval scores, OpenAI Batch request a
 output table. The engine, through its protocol; no Ray, no storage."""
 from pipeline.errors import TemplateError
 from pipeline.tasks.engines import build_engine, empty_device_cache, is_out_of_memory, start_engine
-from pipeline.tasks.openai_requests import BatchRequest, parse_messages, parse_request
-from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, output_lines, request_for, response_line
+from pipeline.tasks.openai_batch.requests import BatchRequest, parse_messages, parse_request
+from pipeline.tasks.openai_batch.responses import Choice, TokenLogprob, error_line, output_lines, request_for, response_line
 from pipeline.tasks.prompts import PromptBuilder, check_prompt, parse_template
 from pipeline.tasks.row_result import RowResult
 from pipeline.tasks.grading import Normalizer, extract_answer, group_key, normalize, score_columns, score_row

@@ -19,7 +19,7 @@ from pipeline.tasks.task import Request, RowError, Task
 if TYPE_CHECKING:
     from engine.api import Engine
     from pipeline.spec import JobSpec, Row
-    from pipeline.tasks.openai_requests import BatchRequest
+    from pipeline.tasks.openai_batch.requests import BatchRequest
     from pipeline.tasks.prompts import PromptBuilder
 
 NO_MATCH = "label_regex did not match the generated text"

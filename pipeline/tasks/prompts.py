@@ -13,7 +13,7 @@ import string
 from typing import TYPE_CHECKING
 
 from pipeline.errors import TemplateError
-from pipeline.tasks.openai_requests import parse_messages
+from pipeline.tasks.openai_batch.requests import parse_messages
 
 if TYPE_CHECKING:
     from engine.api import Engine

@@ -1,7 +1,7 @@
 """What the task makes of one row: the engine's fields of its output row, as a typed record.
 
 This is the boundary between the task (pipeline.tasks.task_runner) and what is written from it:
-the output table (pipeline.tasks.table) and OpenAI Batch lines (pipeline.tasks.openai_responses).
+the output table (pipeline.tasks.table) and OpenAI Batch lines (pipeline.tasks.openai_batch.responses).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pipeline.spec import PROMPT_LOGPROBS, SCORE_PREFIX, is_failed
 
 if TYPE_CHECKING:
-    from pipeline.tasks.openai_requests import BatchRequest
+    from pipeline.tasks.openai_batch.requests import BatchRequest
 
 
 @dataclass

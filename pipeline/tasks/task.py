@@ -2,7 +2,7 @@
 (a row that cannot run gets its error there), one engine call for the rows that run, each answer
 collected into the row's result, then what the task adds over the whole batch (eval's scores).
 
-The task classes (one per task: generate.py, choices.py, pooling.py, openai_lines.py, graded.py)
+The task classes (one per task: generate.py, choices.py, pooling.py, openai_batch/lines.py, graded.py)
 say only what is their own: `prepare(index, row) -> Request`, `call(requests) -> outputs` and
 `collect(row, request, output) -> RowResult`."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.tasks.row_result import RowResult
 if TYPE_CHECKING:
     from engine.api import Engine, LoRARequest
     from pipeline.spec import Row
-    from pipeline.tasks.openai_requests import BatchRequest
+    from pipeline.tasks.openai_batch.requests import BatchRequest
 
 
 class RowError(ValueError):

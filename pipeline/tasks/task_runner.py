@@ -6,7 +6,7 @@ label     prompt -> one of `choices`, picked by the log-likelihood of each choic
           or a JSON object generated under `json_schema` (generate.LabelByFields).
 eval      generate (or label), then each row graded against its reference (scored.Graded).
 embed, classify, score   pooling (pooling.Embed, Classify, Score; classify with a reference is scored).
-OpenAI Batch request lines: each line's own URL and body (openai_lines.OpenAIBatchLines).
+OpenAI Batch request lines: each line's own URL and body (openai_batch.lines.OpenAIBatchLines).
 
 The runner picks the class once, gives each row its LoRA adapter, and runs the class over each batch;
 every problem with one row becomes that row's error (pipeline.tasks.task.Task.run).
@@ -19,8 +19,8 @@ from engine.api import LoRARequest
 from pipeline.spec import POOLING_TASKS, Stage
 from pipeline.tasks.choices import LabelByChoices
 from pipeline.tasks.generate import Generate, LabelByFields, LabelByParsing
-from pipeline.tasks.openai_lines import OpenAIBatchLines
-from pipeline.tasks.openai_responses import output_lines
+from pipeline.tasks.openai_batch.lines import OpenAIBatchLines
+from pipeline.tasks.openai_batch.responses import output_lines
 from pipeline.tasks.pooling import Classify, Embed, Score
 from pipeline.tasks.prompts import PromptBuilder
 from pipeline.tasks.row_result import RowResult

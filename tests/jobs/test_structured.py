@@ -20,7 +20,7 @@ from pipeline.run.checks.preflight import check_constraints
 from pipeline.spec import INCOMPLETE, Row, validate
 from pipeline.tasks import TaskRunner
 from pipeline.tasks.label_fields import field_values, fields_type
-from pipeline.tasks.openai_requests import MAX_SCHEMA_BYTES, parse_request
+from pipeline.tasks.openai_batch.requests import MAX_SCHEMA_BYTES, parse_request
 
 BASE = {"input": {"path": "in.jsonl"}, "output": {"path": "out/"}}
 REVIEW = {"type": "object", "properties": {"sentiment": {"enum": ["pos", "neg"]},

@@ -50,7 +50,7 @@ def test_a_resume_keeps_the_shards_its_output_started_with():
     """workers.rows_per_batch and shard_bytes cut the shards, never a row: they leave the
     fingerprint, and the output's plan is the one the spec in its _job.json started it with."""
     from pipeline.io import JobRecord
-    from pipeline.io.earlier import job_record
+    from pipeline.io.earlier import read_job_record
     from pipeline.run.shards.planner import ShardPlan, new_plan_record, shard_plan
 
     started = validate({**BASE, "workers": {"rows_per_batch": 2, "shard_bytes": 4096}})
@@ -60,7 +60,7 @@ def test_a_resume_keeps_the_shards_its_output_started_with():
     assert shard_plan(now, record) == ShardPlan(2, 4096, record.segment_bytes)
     assert shard_plan(now, JobRecord(**new_plan_record())) == ShardPlan(5, 8192, record.segment_bytes)  # (no spec recorded)
     # an output of 0.1 (rows only, no shard_plan) whose spec recorded 0.1's default of 256 rows
-    earlier = job_record({"spec": {"workers": {"rows_per_batch": 256}}}, has_parts=True)
+    earlier = read_job_record({"spec": {"workers": {"rows_per_batch": 256}}}, has_parts=True)
     assert shard_plan(validate({**BASE, "workers": {}}), earlier) == ShardPlan(256, None)
     assert "shard_plan" not in earlier.to_dict()  # read so, and written back as it was
     # outputs whose fingerprint counted them: the same settings resume, others only through their spec

@@ -7,9 +7,9 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import TypeAdapter
 
-from pipeline.tasks.openai_requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, VLLM_FIELDS, BatchRequest, parse_request,
+from pipeline.tasks.openai_batch.requests import (CHAT_URL, COMPLETIONS_URL, KNOWN_FIELDS, VLLM_FIELDS, BatchRequest, parse_request,
                                             unknown_fields_error)
-from pipeline.tasks.openai_responses import Choice, TokenLogprob, error_line, response_line
+from pipeline.tasks.openai_batch.responses import Choice, TokenLogprob, error_line, response_line
 
 
 def chat(body=None, **line):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine import LLMEngine  # noqa: E402
 from pipeline.spec import Row, validate  # noqa: E402
 from pipeline.tasks import TaskRunner  # noqa: E402
-from pipeline.tasks.openai_requests import parse_request  # noqa: E402
+from pipeline.tasks.openai_batch.requests import parse_request  # noqa: E402
 from pooling_models import build_classifier, build_encoder, build_sentence_transformer  # noqa: E402
 
 openai_types = pytest.importorskip("openai.types")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.io import CommitRecord, JobRecord, Manifest, OutputDir, Shard, Storage, entries
-from pipeline.io.earlier import ROWS_PLAN, job_record
+from pipeline.io.earlier import ROWS_PLAN, read_job_record
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = [p for top in ("pipeline", "jobs") for p in (ROOT / top).rglob("*.py")]
@@ -54,7 +54,7 @@ def test_an_earlier_record_is_read_into_todays_fields_once_and_written_back_as_i
     out.change_record(numerics={"device": "cpu", "dtype": "float32"})
     assert out.read_json("_job.json")["numerics"] == {"device": "cpu", "dtype": "float32"}
     assert "shard_plan" not in out.read_json("_job.json")
-    assert job_record({"spec": {"workers": {"gpus": 1}}}, has_parts=True).numerics == {"device": "cuda"}
+    assert read_job_record({"spec": {"workers": {"gpus": 1}}}, has_parts=True).numerics == {"device": "cuda"}
 
 
 def test_the_manifest_is_a_typed_record_that_keeps_what_it_does_not_know(tmp_path):

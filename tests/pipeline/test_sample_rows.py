@@ -112,7 +112,7 @@ def test_openai_lines_with_n_samples_count_each_prompt_once_in_the_hit_rate(engi
     those 4 blocks cached. What the worker records for the shard, without Ray."""
     import json
 
-    from pipeline.io import CommitRecord
+    from pipeline.io.formats import openai_batch
 
     shared = "Answer in one word. " * 3 + "Q1"  # 62 bytes: with BOS, 4 full blocks of 16
     bodies = [{"prompt": shared + ": sky colour?", "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 1},
@@ -123,7 +123,7 @@ def test_openai_lines_with_n_samples_count_each_prompt_once_in_the_hit_rate(engi
     runner = TaskRunner(job, engine)
     results = runner.run(Row.batch(rows, ["r0", "r1"]))
     lines = [json.loads(x) for x in runner.openai_lines(Row.batch(rows, ["r0", "r1"]), results, 0)]
-    prompt = CommitRecord.counted(pa.table({"line": [json.dumps(x) for x in lines]})).prompt_tokens
+    prompt = openai_batch.count(pa.table({"line": [json.dumps(x) for x in lines]})).prompt_tokens
     cached = sum(r.cached_prompt_tokens(per_sample=False) for r in results)
     assert prompt == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in lines)
     assert cached == 4 * 16 and [len(x["response"]["body"]["choices"]) for x in lines] == [4, 4]

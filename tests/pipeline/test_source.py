@@ -10,6 +10,7 @@ import pytest
 from pipeline.errors import InputError
 from pipeline.io import Storage, list_inputs, plan_shards, read_shard
 from pipeline.io import source
+from pipeline.io.formats import jsonl
 
 
 def write_jsonl(path, rows, trailing_newline=True, blank_every=0):
@@ -43,7 +44,7 @@ def all_rows(storage, rows_per_shard):
 @pytest.mark.parametrize("trailing", [True, False])
 @pytest.mark.parametrize("per_shard", [1, 7, 1000])
 def test_jsonl_shards_cover_every_line_once(tmp_path, monkeypatch, trailing, per_shard):
-    monkeypatch.setattr(source, "BLOCK", 64)  # force shard boundaries to straddle read blocks
+    monkeypatch.setattr(jsonl, "BLOCK", 64)  # force shard boundaries to straddle read blocks
     data = [{"prompt": f"p{i}", "n": i} for i in range(53)]
     write_jsonl(tmp_path / "a.jsonl", data, trailing_newline=trailing)
     shards, ids, rows = all_rows(Storage(str(tmp_path)), per_shard)
@@ -139,7 +140,7 @@ def test_malformed_line_is_a_row_error_naming_file_and_line(tmp_path):
 @pytest.mark.parametrize("shard_bytes,rows_cap", [(1, None), (100, None), (100, 3), (10_000, None)])
 def test_byte_target_shards_align_to_lines_and_keep_the_derived_ids(tmp_path, monkeypatch, block, shard_bytes,
                                                                      rows_cap):
-    monkeypatch.setattr(source, "BLOCK", block)
+    monkeypatch.setattr(jsonl, "BLOCK", block)
     data = [{"prompt": "p" * (i % 17), "n": i} for i in range(61)]
     write_jsonl(tmp_path / "a.jsonl", data, blank_every=9)
     storage = Storage(str(tmp_path))
@@ -212,7 +213,7 @@ def test_segments_planned_apart_cover_every_line_once_with_its_number(tmp_path, 
     """Byte segments planned independently, their lines numbered by the counts of the segments
     before them, give shards that read every line exactly once with the ids of a whole-file plan:
     lines longer than a segment, blank lines and a last line without a newline included."""
-    monkeypatch.setattr(source, "BLOCK", 32)
+    monkeypatch.setattr(jsonl, "BLOCK", 32)
     data = [{"prompt": "p" * (i * 37 % 211), "n": i} for i in range(45)]
     write_jsonl(tmp_path / "a.jsonl", data, trailing_newline=trailing_newline, blank_every=7)
     storage = Storage(str(tmp_path))

@@ -11,7 +11,7 @@ from pipeline.tasks import Request, RowError, RowResult, Task, task_for
 from pipeline.tasks.choices import LabelByChoices
 from pipeline.tasks.generate import Generate, LabelByFields, LabelByParsing
 from pipeline.tasks.graded import Graded
-from pipeline.tasks.openai_lines import OpenAIBatchLines
+from pipeline.tasks.openai_batch.lines import OpenAIBatchLines
 from pipeline.tasks.pooling import Classify, Embed, Score
 
 

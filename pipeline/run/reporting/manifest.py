@@ -8,7 +8,6 @@ import time
 from engine import __version__
 from pipeline.io import LAYOUT, IndexWriter, Manifest, OutputDir, RunRecord, entries, redact_spec
 from pipeline.run.reporting.metrics import MetricsAccumulator, write_metrics
-from pipeline.run.reporting.openai_files import write_batch_files
 from pipeline.run.reporting.sample_metrics import SampleMetrics
 from pipeline.run.reporting.report import PartTotals, usage
 from pipeline.spec import ADAPTER, Job, JobSpec, reports_metrics
@@ -33,8 +32,9 @@ def final_files(spec: JobSpec, out: OutputDir, index: Manifest) -> dict:
                 normalize=ev.normalize.model_dump(), answer_regex=ev.answer_regex) if spec.sampling.n > 1 else None)
         extra["metrics"] = write_metrics(out, entries(out, index), ev.metrics, ev.group_column, samples,
                                          by_adapter)
-    if out.format == "openai_batch":
-        extra["openai_batch"] = write_batch_files(out, entries(out, index))
+    finished = out.finish(entries(out, index))  # the format's own files (openai_batch: output.jsonl, errors.jsonl)
+    if finished is not None:
+        extra[out.format] = finished
     return extra
 
 

@@ -115,7 +115,7 @@ class ShardWorker(EngineActor):
         table = (self._openai_lines(rows, results) if lines
                  else output_table(self.stage, rows, results, self.tasks.embedding_width))
         cached = sum(r.cached_prompt_tokens(per_sample=not lines) for r in results)
-        counts = CommitRecord.counted(table)  # as a recount of the committed part gives them
+        counts = self.output.counted(table)  # as a recount of the committed part gives them
         facts = self.engine.facts()  # once per shard: its pool and what the part record says of the engine
         record = replace(counts, **self.output.identity(shard), skipped=skipped, worker=self.worker_id,
                          cached_prompt_tokens=cached,

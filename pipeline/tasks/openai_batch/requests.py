@@ -2,7 +2,7 @@
 
 An input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}} (or a pooling line: "/v1/embeddings" | "/v1/score" | "/v1/rerank", parsed by
-pipeline.tasks.openai_pooling). `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
+pipeline.tasks.openai_batch.pooling). `parse_request` turns one into a `BatchRequest`: the messages or prompt, the body's
 sampling fields mapped to `engine.SamplingParams` keyword arguments, and either None or a clear
 per-row error. Nothing here raises on bad input: a bad line is a row error, and the job goes on.
 
@@ -24,8 +24,8 @@ with two engine limits on top: top_p must be > 0 and seed must be >= 0. A body's
 untrusted input: over MAX_SCHEMA_BYTES it is refused here, and the engine bounds the time its
 grammar may take to compile (engine.structured.COMPILE_TIMEOUT_S); either way only that request fails.
 
-Output lines are pipeline.tasks.openai_responses'; the final output.jsonl and errors.jsonl are
-written by pipeline.run.reporting.openai_files.
+Output lines are pipeline.tasks.openai_batch.responses'; the final output.jsonl and errors.jsonl are
+written by pipeline.io.formats.openai_batch.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import json
 from dataclasses import dataclass, field
 
 from engine.api import MAX_N, check_sizes
-from pipeline.tasks.openai_pooling import KNOWN_FIELDS as POOLING_FIELDS
-from pipeline.tasks.openai_pooling import POOLING_URLS, PoolingRequest, PoolingRequestError, parse_pooling
+from pipeline.tasks.openai_batch.pooling import KNOWN_FIELDS as POOLING_FIELDS
+from pipeline.tasks.openai_batch.pooling import POOLING_URLS, PoolingRequest, PoolingRequestError, parse_pooling
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipeline.tasks.openai_pooling import response_body as pooling_body
-from pipeline.tasks.openai_requests import CHAT_URL, COMPLETIONS_URL, URLS, BatchRequest
+from pipeline.tasks.openai_batch.pooling import response_body as pooling_body
+from pipeline.tasks.openai_batch.requests import CHAT_URL, COMPLETIONS_URL, URLS, BatchRequest
 
 if TYPE_CHECKING:
     from pipeline.tasks.row_result import RowResult

@@ -1,14 +1,14 @@
 """OpenAI Batch request lines as a task: each line's own URL and body. /v1/chat/completions and
 /v1/completions lines generate (their body's sampling fields over the job's); /v1/embeddings,
-/v1/score and /v1/rerank lines pool (pipeline.tasks.openai_pooling). A line that does not parse,
+/v1/score and /v1/rerank lines pool (pipeline.tasks.openai_batch.pooling). A line that does not parse,
 or that the model cannot serve, fails alone."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from pipeline.tasks.generate import Generate
-from pipeline.tasks.openai_pooling import run_lines
-from pipeline.tasks.openai_requests import parse_request, unknown_fields_error
+from pipeline.tasks.openai_batch.pooling import run_lines
+from pipeline.tasks.openai_batch.requests import parse_request, unknown_fields_error
 from pipeline.tasks.row_result import RowResult
 from pipeline.tasks.task import Request, RowError
 
